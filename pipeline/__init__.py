@@ -1,0 +1,3 @@
+"""llmq: a Kafka pipeline that queues LLM inference requests by priority."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,389 @@
+"""A local single-node Apache Kafka (KRaft, combined broker+controller) run from Maven jars.
+
+No Docker needed: ``fetch_jars`` resolves ``org.apache.kafka:kafka_2.13`` and its runtime
+dependencies with Maven into a cache outside the source tree (once; later calls reuse it),
+and ``LocalBroker`` formats storage, starts the JVM in its own process group, waits until
+the broker answers metadata requests, and stops it leaving no process behind.
+
+Layout of a data dir::
+
+    server.properties   generated on every start (ports may change between starts)
+    log4j2.properties
+    controller.port     the controller listener's port, kept across restarts when free
+    broker.pid
+    data/               Kafka's log.dirs (formatted once)
+    logs/server.log     the broker's log; `llmq broker status` prints this path
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from pipeline.errors import BrokerError
+
+log = logging.getLogger(__name__)
+
+_MAIN_CLASS = "kafka.Kafka"
+_STORAGE_TOOL = "kafka.tools.StorageTool"
+
+
+def cache_root(cache_dir: str = "") -> Path:
+    """Jars and Maven's own repository live here: outside the source tree, shared by checkouts."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("LLMQ_CACHE_DIR"):
+        return Path(os.environ["LLMQ_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "llmq"
+
+
+def jars_dir(kafka_version: str, cache_dir: str = "") -> Path:
+    return cache_root(cache_dir) / f"kafka-{kafka_version}" / "libs"
+
+
+def fetch_jars(kafka_version: str, cache_dir: str = "", progress=print) -> Path:
+    """Resolve the broker's jars with Maven into the cache; a no-op when already complete."""
+    target = jars_dir(kafka_version, cache_dir)
+    marker = target / ".complete"
+    if marker.exists():
+        return target
+    if shutil.which("mvn") is None:
+        raise BrokerError("Maven ('mvn') is not on PATH; it is needed once to fetch the Kafka jars")
+    if shutil.which("java") is None:
+        raise BrokerError("Java ('java', 17 or newer) is not on PATH; the local broker runs on it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.parent / ".fetch.lock"
+    with open(lock_path, "w") as lock:
+        # Several processes (parallel tests, make targets) may ask at once: one fetches.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists():
+            return target
+        staging = target.parent / f"libs.partial-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        pom = staging.parent / "pom.xml"
+        pom.write_text(resources.files("pipeline.resources").joinpath("kafka-pom.xml").read_text())
+        cmd = [
+            "mvn", "-q", "-B", "-f", str(pom),
+            f"-Dkafka.version={kafka_version}",
+            f"-Dmaven.repo.local={cache_root(cache_dir) / 'm2'}",
+            "dependency:copy-dependencies",
+            "-DincludeScope=runtime",
+            f"-DoutputDirectory={staging}",
+        ]
+        progress(f"fetching Apache Kafka {kafka_version} jars with Maven into {target} (once)")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not any(staging.glob("kafka_2.13-*.jar")):
+            shutil.rmtree(staging, ignore_errors=True)
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
+            raise BrokerError(f"Maven could not fetch org.apache.kafka:kafka_2.13:{kafka_version}:\n{tail}")
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+        marker.write_text(kafka_version + "\n")
+    return target
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def broker_answers(bootstrap: str, timeout: float = 3.0) -> bool:
+    """True when a Kafka broker at ``bootstrap`` answers a metadata request."""
+    host, _, port = bootstrap.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=min(timeout, 1.0)):
+            pass
+    except OSError:
+        return False
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0, "logger": _SILENT})
+    try:
+        md = admin.list_topics(timeout=timeout)
+        return bool(md.brokers)
+    except Exception:
+        return False
+
+
+class _Silent(logging.Logger):
+    def __init__(self):
+        super().__init__("llmq.broker.probe", level=logging.CRITICAL + 1)
+
+
+_SILENT = _Silent()
+
+
+@dataclass
+class BrokerStatus:
+    running: bool
+    bootstrap: str
+    pid: int | None
+    log_file: Path
+    data_dir: Path
+
+
+class LocalBroker:
+    def __init__(self, port: int = 9092, data_dir: str | os.PathLike = ".llmq/kafka", *,
+                 kafka_version: str = "4.4.0", heap: str = "768m", cache_dir: str = "",
+                 progress=print):
+        self.port = port
+        self.data_dir = Path(data_dir).resolve()
+        self.kafka_version = kafka_version
+        self.heap = heap
+        self.cache_dir = cache_dir
+        self.progress = progress
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_file(self) -> Path:
+        return self.data_dir / "logs" / "server.log"
+
+    @property
+    def _pid_file(self) -> Path:
+        return self.data_dir / "broker.pid"
+
+    @property
+    def _properties(self) -> Path:
+        return self.data_dir / "server.properties"
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self._pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return pid if _alive(pid) else None
+
+    def status(self) -> BrokerStatus:
+        return BrokerStatus(broker_answers(self.bootstrap), self.bootstrap, self.pid(), self.log_file, self.data_dir)
+
+    # -- up -------------------------------------------------------------------------------
+
+    def up(self, timeout: float = 90.0) -> BrokerStatus:
+        """Start the broker unless it already runs; return once it answers metadata requests."""
+        pid = self.pid()
+        if pid is not None:
+            if self._wait_ready(pid, timeout):
+                return self.status()
+            raise BrokerError(f"broker process {pid} runs but does not answer on {self.bootstrap}; see {self.log_file}")
+        if _port_in_use(self.port):
+            if broker_answers(self.bootstrap):
+                raise BrokerError(f"another Kafka broker (not started from {self.data_dir}) already listens on "
+                                  f"{self.bootstrap}; stop it or pick --port")
+            raise BrokerError(f"port {self.port} is in use by another program; pick --port")
+        jars = fetch_jars(self.kafka_version, self.cache_dir, progress=self.progress)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "logs").mkdir(exist_ok=True)
+        controller_port = self._controller_port()
+        self._write_config(controller_port)
+        classpath = f"{jars}/*"
+        if not (self.data_dir / "data" / "meta.properties").exists():
+            self._format(classpath)
+        cmd = [
+            "java", f"-Xms{min_heap(self.heap)}", f"-Xmx{self.heap}", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
+            f"-Dllmq.data.dir={self.data_dir}",
+            "-cp", classpath, _MAIN_CLASS, str(self._properties),
+        ]
+        stdout = open(self.data_dir / "logs" / "stdout.log", "ab")
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=self.data_dir)
+        stdout.close()
+        self._pid_file.write_text(f"{proc.pid}\n")
+        if not self._wait_ready(proc.pid, timeout):
+            self.down()
+            raise BrokerError(f"broker did not answer on {self.bootstrap} within {timeout:.0f}s; "
+                              f"last log lines:\n{_tail(self.log_file)}\n{_tail(self.data_dir / 'logs' / 'stdout.log')}")
+        return self.status()
+
+    def _wait_ready(self, pid: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return False
+            if broker_answers(self.bootstrap, timeout=2.0):
+                return True
+            time.sleep(0.25)
+        return False
+
+    def _controller_port(self) -> int:
+        path = self.data_dir / "controller.port"
+        with contextlib.suppress(OSError, ValueError):
+            port = int(path.read_text())
+            if port != self.port and not _port_in_use(port):
+                return port
+        port = _free_port()
+        while port == self.port:
+            port = _free_port()
+        path.write_text(f"{port}\n")
+        return port
+
+    def _write_config(self, controller_port: int) -> None:
+        data = self.data_dir / "data"
+        props = {
+            "process.roles": "broker,controller",
+            "node.id": "1",
+            "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
+            "listeners": f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{controller_port}",
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "log.dirs": str(data),
+            "num.partitions": "6",
+            # A single broker: internal topics cannot have more replicas than that, or
+            # init_transactions() and group coordination wait forever.
+            "offsets.topic.replication.factor": "1",
+            "offsets.topic.num.partitions": "10",
+            "transaction.state.log.replication.factor": "1",
+            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.num.partitions": "10",
+            "share.coordinator.state.topic.replication.factor": "1",
+            "share.coordinator.state.topic.min.isr": "1",
+            "group.initial.rebalance.delay.ms": "0",
+            "auto.create.topics.enable": "false",
+            "log.retention.hours": "24",
+            "log.segment.bytes": str(256 * 1024 * 1024),
+        }
+        self._properties.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+        (self.data_dir / "log4j2.properties").write_text(_LOG4J.format(log_file=self.log_file))
+
+    def _format(self, classpath: str) -> None:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        self.progress(f"formatting KRaft storage in {self.data_dir / 'data'} (cluster {cluster_id})")
+        proc = subprocess.run(
+            ["java", "-Xmx256m", f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
+             "-cp", classpath, _STORAGE_TOOL, "format", "-t", cluster_id, "-c", str(self._properties)],
+            capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BrokerError(f"formatting storage failed:\n{proc.stdout}\n{proc.stderr}")
+
+    # -- down -----------------------------------------------------------------------------
+
+    def down(self, timeout: float = 30.0) -> bool:
+        """Stop the broker (SIGTERM, then SIGKILL); return True when one was running."""
+        pids = set(self._stray_pids())
+        pid = self.pid()
+        if pid is not None:
+            pids.add(pid)
+        for p in pids:
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        for p in pids:
+            if _alive(p):
+                _signal_group(p, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+        with contextlib.suppress(FileNotFoundError):
+            self._pid_file.unlink()
+        still = [p for p in pids if _alive(p)]
+        if still:
+            raise BrokerError(f"broker processes {still} did not exit")
+        return bool(pids)
+
+    def _stray_pids(self) -> list[int]:
+        """Java processes started from this data dir whose pid file was lost."""
+        marker = f"-Dllmq.data.dir={self.data_dir}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                args = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if marker in args:
+                found.append(int(entry.name))
+        return found
+
+
+def min_heap(heap: str) -> str:
+    return "256m" if heap.lower().endswith(("g", "m")) and _heap_mb(heap) >= 256 else heap
+
+
+def _heap_mb(heap: str) -> int:
+    n, unit = int(heap[:-1]), heap[-1].lower()
+    return n * 1024 if unit == "g" else n
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"({path} not written)"
+
+
+_LOG4J = """\
+status = warn
+appender.file.type = RollingFile
+appender.file.name = FILE
+appender.file.fileName = {log_file}
+appender.file.filePattern = {log_file}.%i
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+appender.file.policies.type = Policies
+appender.file.policies.size.type = SizeBasedTriggeringPolicy
+appender.file.policies.size.size = 50MB
+appender.file.strategy.type = DefaultRolloverStrategy
+appender.file.strategy.max = 3
+rootLogger.level = INFO
+rootLogger.appenderRef.file.ref = FILE
+logger.kafka.name = kafka
+logger.kafka.level = INFO
+logger.apache.name = org.apache.kafka
+logger.apache.level = INFO
+"""
+
+
+if __name__ == "__main__":  # pragma: no cover - debugging aid
+    print(LocalBroker(int(sys.argv[1]) if len(sys.argv) > 1 else 9092).status())

@@ -1,0 +1,215 @@
+"""`llmq`: the command line of the llmq pipeline.
+
+Every command reads the same settings: defaults, then ``--config FILE`` (or
+``$LLMQ_CONFIG``), then ``LLMQ_*`` environment variables, then flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from pipeline.config import Settings
+from pipeline.errors import LlmqError
+
+log = logging.getLogger("llmq")
+
+_EPILOG = """\
+environment:
+  LLMQ_BOOTSTRAP            Kafka bootstrap servers (default 127.0.0.1:9092)
+  LLMQ_CONFIG               settings file (TOML); see deploy/llmq.toml for every key
+  LLMQ_<SECTION>__<KEY>     any setting, e.g. LLMQ_WORKER__MAX_INFLIGHT=32
+  LLMQ_RDKAFKA_<NAME>       a librdkafka property, '_' read as '.', e.g. LLMQ_RDKAFKA_LINGER_MS=10
+  LLMQ_CACHE_DIR            where the Kafka jars are cached (default ~/.cache/llmq)
+
+quick start:
+  llmq broker up && llmq topics create && llmq worker &
+  llmq submit --tenant acme --priority high "Summarise the Kafka docs"
+"""
+
+
+def _settings(args) -> Settings:
+    settings = Settings.load(args.config)
+    if getattr(args, "bootstrap", None):
+        settings.kafka.bootstrap = args.bootstrap
+    return settings
+
+
+def _broker(args, settings: Settings):
+    from pipeline.broker import LocalBroker
+
+    b = settings.broker
+    return LocalBroker(args.port or b.port, args.data_dir or b.data_dir, kafka_version=b.kafka_version,
+                       heap=b.heap, cache_dir=b.cache_dir, progress=lambda m: print(m, file=sys.stderr))
+
+
+def cmd_broker(args) -> int:
+    from pipeline.broker import fetch_jars
+
+    settings = _settings(args)
+    if args.action == "fetch":
+        path = fetch_jars(settings.broker.kafka_version, settings.broker.cache_dir,
+                          progress=lambda m: print(m, file=sys.stderr))
+        print(f"Kafka {settings.broker.kafka_version} jars: {path}")
+        return 0
+    broker = _broker(args, settings)
+    if args.action == "up":
+        st = broker.up()
+        print(f"Kafka broker up at {st.bootstrap} (pid {st.pid}, data {st.data_dir}, log {st.log_file})")
+        print(f"export LLMQ_BOOTSTRAP={st.bootstrap}")
+        return 0
+    if args.action == "status":
+        st = broker.status()
+        state = "answering" if st.running else ("process running, not answering" if st.pid else "not running")
+        print(f"Kafka broker at {st.bootstrap}: {state}")
+        print(f"  pid:      {st.pid or '-'}")
+        print(f"  data dir: {st.data_dir}")
+        print(f"  log file: {st.log_file}")
+        return 0 if st.running else 1
+    if args.action == "down":
+        was = broker.down()
+        print(f"Kafka broker at {broker.bootstrap}: {'stopped' if was else 'was not running'}")
+        return 0
+    raise AssertionError(args.action)
+
+
+def cmd_topics(args) -> int:
+    from pipeline.topics import create_pipeline_topics
+
+    settings = _settings(args)
+    report = create_pipeline_topics(settings, strict=False)
+    print(report.describe())
+    if not report.ok:
+        print("\nSome existing topics differ from the configuration (see MISMATCH above). llmq never "
+              "changes an existing topic's partition count: adding partitions remaps tenants' keys. "
+              "Adjust topics.*_partitions or recreate the topics.", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_worker(args) -> int:
+    from pipeline.worker.backends.simulated import SimulatedBackend
+    from pipeline.worker.loop import Worker
+
+    settings = _settings(args)
+    w = settings.worker
+    for name in ("sim_latency_ms", "sim_ms_per_token", "max_inflight", "group_id", "worker_id"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(w, name, value)
+    settings.validate()
+    backend = SimulatedBackend(w.sim_latency_ms, w.sim_ms_per_token)
+    topics = args.topics.split(",") if args.topics else None
+    stats = Worker(settings, backend, topics=topics).run()
+    print(json.dumps({k: v for k, v in vars(stats).items() if not k.endswith("_at")}), file=sys.stderr)
+    return 0
+
+
+def cmd_submit(args) -> int:
+    from pipeline.client import LlmqClient
+    from pipeline.models import Priority, Request
+
+    settings = _settings(args)
+    try:
+        priority = Priority.parse(args.priority)
+    except ValueError as exc:
+        raise SystemExit(f"llmq submit: {exc}")
+    request = Request.new(args.tenant, args.prompt, priority=priority, model=args.model,
+                          max_tokens=args.max_tokens, timeout_ms=int(args.timeout * 1000))
+    with LlmqClient(settings, listen=not args.no_wait) as client:
+        sub = client.submit(request, track=not args.no_wait)
+        print(f"submitted {request.request_id} to {sub.topic}[{sub.partition}]@{sub.offset}", file=sys.stderr)
+        if args.no_wait:
+            print(request.request_id)
+            return 0
+        response = client.result(request.request_id, timeout=args.timeout)
+    if args.json:
+        print(json.dumps(response.to_record(), default=str))
+    else:
+        print(f"{response.status.value}: {response.output if response.output is not None else response.reason}")
+    return 0 if response.status.value == "COMPLETED" else 3
+
+
+def cmd_demo(args) -> int:
+    from pipeline.demo import run_demo
+
+    return run_demo(_settings(args), requests=args.requests, workers=args.workers,
+                    sim_latency_ms=args.sim_latency_ms, keep_broker=args.keep_broker)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmq", description="llmq: a Kafka pipeline that queues and schedules LLM inference requests.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="settings file (TOML); default $LLMQ_CONFIG")
+    parser.add_argument("--bootstrap", help="Kafka bootstrap servers; default $LLMQ_BOOTSTRAP or 127.0.0.1:9092")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("broker", help="run a local single-node Apache Kafka (KRaft) from Maven jars",
+                       description="Manage the local development broker. `up` formats storage on first use, starts "
+                                   "Kafka in the background and waits until it answers; it is idempotent. `status` "
+                                   "exits 0 only when the broker answers. `down` stops it and leaves no process. "
+                                   "`fetch` only downloads the jars (once, into ~/.cache/llmq).")
+    p.add_argument("action", choices=["up", "status", "down", "fetch"])
+    p.add_argument("--port", type=int, help="client port (default 9092; the controller gets a free port)")
+    p.add_argument("--data-dir", help="storage, logs and pid file (default .llmq/kafka)")
+    p.set_defaults(func=cmd_broker)
+
+    p = sub.add_parser("topics", help="create the pipeline's topics (idempotent, verifies partition counts)")
+    p.add_argument("action", choices=["create"])
+    p.set_defaults(func=cmd_topics)
+
+    p = sub.add_parser("worker", help="consume requests, call the model backend, publish responses",
+                       description="An inference worker: a member of a consumer group over the request topics. It "
+                                   "commits a partition's offset only past requests whose responses the broker has "
+                                   "acknowledged. SIGTERM stops fetching, lets in-flight requests finish within "
+                                   "worker.shutdown_grace_s, commits and leaves the group.")
+    p.add_argument("--sim-latency-ms", type=float, help="simulated model: fixed latency per request")
+    p.add_argument("--sim-ms-per-token", type=float, help="simulated model: extra latency per output token")
+    p.add_argument("--max-inflight", type=int, help="requests in flight to the backend at once")
+    p.add_argument("--group", dest="group_id", help="consumer group (default llmq-workers)")
+    p.add_argument("--worker-id", help="identity written into responses (default host-pid)")
+    p.add_argument("--topics", help="comma-separated topics to consume (default: the five request topics)")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("submit", help="submit one request and print its response")
+    p.add_argument("prompt")
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--priority", default="normal", help="critical, high, normal, low or background")
+    p.add_argument("--model", default="sim-small")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (also the request's timeout_ms)")
+    p.add_argument("--no-wait", action="store_true", help="print the request id once acknowledged, don't wait")
+    p.add_argument("--json", action="store_true", help="print the whole response as JSON")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("demo", help="the end-to-end demo behind `make demo`",
+                       description="Starts the local broker if none answers, creates topics, starts workers, "
+                                   "submits a mixed load across priorities and tenants, prints a summary table, "
+                                   "then stops what it started.")
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--sim-latency-ms", type=float, default=20.0)
+    p.add_argument("--keep-broker", action="store_true", help="leave a broker the demo started running")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except LlmqError as exc:
+        print(f"llmq {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""The client SDK for upstream services: submit requests, await their responses.
+
+``LlmqClient`` (threads) and ``AsyncLlmqClient`` (asyncio) share one engine:
+
+* ``submit`` encodes the request, routes it to its priority's topic keyed by tenant with
+  an idempotent producer, and returns once the broker acknowledged it (or raises).
+* ``result`` waits for the response with that request_id. A listener thread reads the
+  response topic from the positions it had *before* the first submit, so a fast answer
+  is never missed; responses nobody waits for are dropped, and duplicates (possible after
+  a worker crash) are ignored after the first.
+
+Example::
+
+    with LlmqClient.from_settings() as client:
+        response = client.submit_and_wait(Request.new("tenant-a", "Hello", priority=Priority.HIGH))
+        print(response.status, response.output)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
+
+from pipeline.config import Settings
+from pipeline.errors import DecodeError, KafkaOperationError, LlmqError, RequestTimeoutError
+from pipeline.models import Request, Response
+from pipeline.serde import Codec
+
+log = logging.getLogger(__name__)
+
+_EARLY_RESPONSES = 1000
+
+
+@dataclass(frozen=True)
+class Submitted:
+    request_id: str
+    topic: str
+    partition: int
+    offset: int
+
+
+class _Engine:
+    def __init__(self, settings: Settings, codec: Codec | None = None, listen: bool = True):
+        self.settings = settings
+        self.codec = codec or Codec.default()
+        self.producer = Producer(settings.kafka.producer_config(**{"client.id": "llmq-client"}))
+        self._closed = threading.Event()
+        self._poller = threading.Thread(target=self._poll_producer, name="llmq-client-producer", daemon=True)
+        self._poller.start()
+        self._waiters: dict[str, Future] = {}
+        self._early: OrderedDict[str, Response] = OrderedDict()
+        self._lock = threading.Lock()
+        self._listener: threading.Thread | None = None
+        self._listening = threading.Event()
+        self._listener_error: BaseException | None = None
+        if listen:
+            self._start_listener()
+
+    # -- submit ---------------------------------------------------------------------------
+
+    def submit_future(self, request: Request) -> Future:
+        topic = self.settings.topics.request_topic(request.priority)
+        value = self.codec.encode_request(request)
+        fut: Future = Future()
+
+        def delivered(err, msg):
+            if err is not None:
+                fut.set_exception(KafkaOperationError(f"submit {request.request_id} to {topic}", err.str(), err))
+            else:
+                fut.set_result(Submitted(request.request_id, msg.topic(), msg.partition(), msg.offset()))
+
+        while True:
+            try:
+                self.producer.produce(topic, value, request.tenant_id.encode(), on_delivery=delivered)
+                break
+            except BufferError:
+                time.sleep(0.01)  # the poll thread drains the queue
+        return fut
+
+    def _poll_producer(self) -> None:
+        while not self._closed.is_set():
+            self.producer.poll(0.05)
+
+    # -- responses ------------------------------------------------------------------------
+
+    def expect(self, request_id: str) -> Future:
+        """Register interest in a response; call before submitting to be race-free."""
+        with self._lock:
+            fut = self._waiters.get(request_id)
+            if fut is None:
+                fut = self._waiters[request_id] = Future()
+                early = self._early.pop(request_id, None)
+                if early is not None:
+                    fut.set_result(early)
+            return fut
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._waiters.pop(request_id, None)
+
+    def _start_listener(self) -> None:
+        topic = self.settings.topics.responses
+        consumer = Consumer(self.settings.kafka.consumer_config(
+            "llmq-client-unused",  # assign() below: no group membership, no commits
+            **{"client.id": "llmq-client-listener", "enable.partition.eof": False,
+               "isolation.level": "read_committed", "fetch.wait.max.ms": 10}))
+        try:
+            md = consumer.list_topics(topic, timeout=10)
+        except KafkaException as exc:
+            consumer.close()
+            raise KafkaOperationError(f"describe {topic}", str(exc.args[0]), exc.args[0]) from exc
+        tmd = md.topics.get(topic)
+        if tmd is None or tmd.error is not None:
+            consumer.close()
+            raise LlmqError(f"response topic {topic!r} does not exist; run `llmq topics create`")
+        # Explicit high watermarks, not OFFSET_END: END is resolved lazily at first fetch,
+        # which could skip a response that arrives in between.
+        assignment = []
+        for p in tmd.partitions:
+            try:
+                _, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            except KafkaException:
+                high = OFFSET_END
+            assignment.append(TopicPartition(topic, p, high))
+        consumer.assign(assignment)
+        self._listener = threading.Thread(target=self._listen, args=(consumer,), name="llmq-client-listener",
+                                          daemon=True)
+        self._listener.start()
+
+    def _listen(self, consumer: Consumer) -> None:
+        try:
+            while not self._closed.is_set():
+                for msg in consumer.consume(500, 0.1):
+                    if msg.error() is not None or msg.value() is None:
+                        continue
+                    try:
+                        response = self.codec.decode_response(msg.value())
+                    except DecodeError as exc:
+                        log.warning("undecodable response at %s[%d]@%d: %s", msg.topic(), msg.partition(),
+                                    msg.offset(), exc)
+                        continue
+                    self._deliver(response)
+        except BaseException as exc:  # surfaced to waiters instead of dying silently
+            self._listener_error = exc
+            with self._lock:
+                for fut in self._waiters.values():
+                    if not fut.done():
+                        fut.set_exception(LlmqError(f"response listener failed: {exc}"))
+        finally:
+            consumer.close()
+
+    def _deliver(self, response: Response) -> None:
+        with self._lock:
+            fut = self._waiters.get(response.request_id)
+            if fut is None:
+                # Not (yet) awaited: keep the newest few in case `result` is asked late.
+                self._early[response.request_id] = response
+                if len(self._early) > _EARLY_RESPONSES:
+                    self._early.popitem(last=False)
+                return
+            if not fut.done():
+                fut.set_result(response)
+
+    def close(self, timeout: float = 10.0) -> None:
+        remaining = self.producer.flush(timeout)
+        self._closed.set()
+        self._poller.join(2)
+        if self._listener is not None:
+            self._listener.join(5)
+        if remaining:
+            log.warning("%d submitted requests were not acknowledged before close", remaining)
+
+
+class LlmqClient:
+    """Synchronous client. Thread-safe; one per process is enough."""
+
+    def __init__(self, settings: Settings | None = None, *, codec: Codec | None = None, listen: bool = True):
+        self._engine = _Engine(settings or Settings.load(), codec, listen)
+
+    @classmethod
+    def from_settings(cls, path: str | None = None, **kwargs) -> "LlmqClient":
+        return cls(Settings.load(path), **kwargs)
+
+    def submit(self, request: Request, timeout: float = 30.0, track: bool = True) -> Submitted:
+        """Produce ``request`` and return once the broker acknowledged it.
+
+        With ``track`` (default) its response is kept for :meth:`result`; pass
+        ``track=False`` for fire-and-forget submits so nothing is held for them.
+        """
+        if track:
+            self._engine.expect(request.request_id)
+        fut = self._engine.submit_future(request)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            raise KafkaOperationError(f"submit {request.request_id}", f"not acknowledged within {timeout}s") from None
+
+    def submit_nowait(self, request: Request, track: bool = True) -> Future:
+        """Produce without waiting; the future resolves to :class:`Submitted` on acknowledgement."""
+        if track:
+            self._engine.expect(request.request_id)
+        return self._engine.submit_future(request)
+
+    def result(self, request_id: str, timeout: float = 60.0) -> Response:
+        """Wait for the response to ``request_id``."""
+        fut = self._engine.expect(request_id)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            raise RequestTimeoutError(request_id, timeout) from None
+        finally:
+            self._engine.forget(request_id)
+
+    def submit_and_wait(self, request: Request, timeout: float = 60.0) -> Response:
+        started = time.monotonic()
+        self.submit(request, timeout=timeout)
+        return self.result(request.request_id, max(0.0, timeout - (time.monotonic() - started)))
+
+    def close(self) -> None:
+        self._engine.close()
+
+    def __enter__(self) -> "LlmqClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncLlmqClient:
+    """asyncio client: the same engine, awaited."""
+
+    def __init__(self, settings: Settings | None = None, *, codec: Codec | None = None):
+        self._engine = _Engine(settings or Settings.load(), codec, listen=True)
+
+    async def submit(self, request: Request, timeout: float = 30.0, track: bool = True) -> Submitted:
+        if track:
+            self._engine.expect(request.request_id)
+        fut = self._engine.submit_future(request)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+        except asyncio.TimeoutError:
+            raise KafkaOperationError(f"submit {request.request_id}", f"not acknowledged within {timeout}s") from None
+
+    async def result(self, request_id: str, timeout: float = 60.0) -> Response:
+        fut = self._engine.expect(request_id)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(request_id, timeout) from None
+        finally:
+            self._engine.forget(request_id)
+
+    async def submit_and_wait(self, request: Request, timeout: float = 60.0) -> Response:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await self.submit(request, timeout)
+        return await self.result(request.request_id, max(0.0, timeout - (loop.time() - started)))
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._engine.close)
+
+    async def __aenter__(self) -> "AsyncLlmqClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,289 @@
+"""Typed settings for every llmq process, from one TOML file plus environment overrides.
+
+Precedence (lowest to highest): built-in defaults → the file named by ``--config`` or
+``LLMQ_CONFIG`` → environment variables → explicit command-line flags.
+
+Environment variables:
+
+* ``LLMQ_BOOTSTRAP`` — shortcut for ``kafka.bootstrap``.
+* ``LLMQ_<SECTION>__<KEY>`` — any scalar setting, e.g. ``LLMQ_WORKER__MAX_INFLIGHT=32``
+  or ``LLMQ_TOPICS__PREFIX=staging.llm``.
+* ``LLMQ_RDKAFKA_<NAME>`` — a librdkafka property passed through untouched to every
+  client, with ``_`` read as ``.``: ``LLMQ_RDKAFKA_LINGER_MS=10`` sets ``linger.ms``.
+
+Settings render the property dicts that confluent-kafka takes (``producer_config()``,
+``consumer_config()``, ``admin_config()``); user properties from ``[kafka.properties]``
+win over llmq's defaults, so any librdkafka knob is reachable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from pipeline.errors import ConfigError
+from pipeline.models import Priority
+from pipeline.serde.limits import SerdeLimits
+
+DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+
+# Properties llmq sets itself for correctness; users may still override them on purpose.
+_PRODUCER_DEFAULTS = {
+    "enable.idempotence": True,
+    "acks": "all",
+    "linger.ms": 5,
+    "compression.type": "lz4",
+    # Java-compatible key hashing, so any Kafka client keyed by tenant lands on the same partition.
+    "partitioner": "murmur2_random",
+}
+_CONSUMER_DEFAULTS = {
+    "enable.auto.commit": False,
+    "enable.auto.offset.store": False,
+    "auto.offset.reset": "earliest",
+    "partition.assignment.strategy": "cooperative-sticky",
+    "fetch.wait.max.ms": 50,
+}
+
+
+@dataclass
+class KafkaSettings:
+    bootstrap: str = DEFAULT_BOOTSTRAP
+    client_id: str = "llmq"
+    #: librdkafka properties passed through untouched (``[kafka.properties]`` in the file).
+    properties: dict[str, Any] = field(default_factory=dict)
+
+    def common_config(self) -> dict[str, Any]:
+        return {"bootstrap.servers": self.bootstrap, "client.id": self.client_id}
+
+    def producer_config(self, **overrides: Any) -> dict[str, Any]:
+        return {**self.common_config(), **_PRODUCER_DEFAULTS, **overrides, **self.properties}
+
+    def consumer_config(self, group_id: str, **overrides: Any) -> dict[str, Any]:
+        return {
+            **self.common_config(),
+            **_CONSUMER_DEFAULTS,
+            "group.id": group_id,
+            **overrides,
+            **self.properties,
+        }
+
+    def admin_config(self) -> dict[str, Any]:
+        # Producer/consumer-only properties make the admin client warn; keep only shared ones.
+        shared = {k: v for k, v in self.properties.items() if k.startswith(("security.", "sasl.", "ssl.", "socket.", "client."))}
+        return {**self.common_config(), **shared}
+
+
+@dataclass
+class TopicSettings:
+    prefix: str = "llm"
+    request_partitions: int = 6
+    response_partitions: int = 6
+    dlq_partitions: int = 1
+    replication_factor: int = 1
+    request_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(7 * 24 * 3600 * 1000)})
+    response_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(7 * 24 * 3600 * 1000)})
+    dlq_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(30 * 24 * 3600 * 1000)})
+
+    def request_topic(self, priority: Priority) -> str:
+        return f"{self.prefix}.requests.{priority.value.lower()}"
+
+    @property
+    def request_topics(self) -> list[str]:
+        return [self.request_topic(p) for p in Priority]
+
+    @property
+    def responses(self) -> str:
+        return f"{self.prefix}.responses"
+
+    @property
+    def dlq(self) -> str:
+        return f"{self.prefix}.dlq"
+
+
+@dataclass
+class SerdeSettings:
+    max_record_bytes: int = SerdeLimits.max_record_bytes
+    max_prompt_bytes: int = SerdeLimits.max_prompt_bytes
+    max_metadata_entries: int = SerdeLimits.max_metadata_entries
+    max_string_bytes: int = SerdeLimits.max_string_bytes
+    max_output_bytes: int = SerdeLimits.max_output_bytes
+    #: Confluent Schema Registry URL; empty means single-object encoding with local schemas.
+    registry_url: str = ""
+    #: Wire format for what llmq writes: "single-object" or "confluent" (needs registry_url).
+    wire_format: str = "single-object"
+
+    def limits(self) -> SerdeLimits:
+        return SerdeLimits(
+            max_record_bytes=self.max_record_bytes,
+            max_prompt_bytes=self.max_prompt_bytes,
+            max_metadata_entries=self.max_metadata_entries,
+            max_string_bytes=self.max_string_bytes,
+            max_output_bytes=self.max_output_bytes,
+        )
+
+
+@dataclass
+class WorkerSettings:
+    group_id: str = "llmq-workers"
+    #: Worker identity written into responses; empty = "<hostname>-<pid>".
+    worker_id: str = ""
+    #: Requests in flight to the backend at once, per worker process.
+    max_inflight: int = 64
+    #: Messages taken from the consumer per poll.
+    batch_size: int = 500
+    #: How often finished offsets are committed (they are also committed on revoke/shutdown).
+    commit_interval_ms: int = 500
+    #: How long to wait for the poll when nothing is buffered (the idle wake-up).
+    idle_poll_ms: int = 5
+    #: On SIGTERM, how long in-flight requests may still finish before they are handed back.
+    shutdown_grace_s: float = 10.0
+    backend: str = "simulated"
+    sim_latency_ms: float = 0.0
+    sim_ms_per_token: float = 0.0
+    #: librdkafka max.poll.interval.ms for workers; the loop never blocks on the backend.
+    max_poll_interval_ms: int = 300_000
+
+
+@dataclass
+class BrokerSettings:
+    """The local development broker started by ``llmq broker up``."""
+
+    port: int = 9092
+    data_dir: str = ".llmq/kafka"
+    heap: str = "768m"
+    kafka_version: str = "4.4.0"
+    #: Where the Kafka jars are cached; empty = $XDG_CACHE_HOME/llmq or ~/.cache/llmq.
+    cache_dir: str = ""
+
+
+@dataclass
+class Settings:
+    kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    topics: TopicSettings = field(default_factory=TopicSettings)
+    serde: SerdeSettings = field(default_factory=SerdeSettings)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    broker: BrokerSettings = field(default_factory=BrokerSettings)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> "Settings":
+        """Defaults, then the TOML file (``path`` or ``$LLMQ_CONFIG``), then the environment."""
+        env = os.environ if env is None else env
+        settings = cls()
+        path = path or env.get("LLMQ_CONFIG") or None
+        if path:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError("LLMQ_CONFIG", f"config file {str(p)!r} does not exist")
+            try:
+                data = tomllib.loads(p.read_text())
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(str(p), f"not valid TOML: {exc}") from exc
+            settings._apply_mapping(data)
+        settings._apply_env(env)
+        settings.validate()
+        return settings
+
+    def _apply_mapping(self, data: Mapping[str, Any]) -> None:
+        sections = {f.name for f in dataclasses.fields(self)}
+        for section, values in data.items():
+            if section not in sections:
+                raise ConfigError(section, f"unknown section (known: {', '.join(sorted(sections))})")
+            if not isinstance(values, Mapping):
+                raise ConfigError(section, "must be a table")
+            target = getattr(self, section)
+            for key, value in values.items():
+                _set_field(target, f"{section}.{key}", key, value, from_env=False)
+
+    def _apply_env(self, env: Mapping[str, str]) -> None:
+        if env.get("LLMQ_BOOTSTRAP"):
+            self.kafka.bootstrap = env["LLMQ_BOOTSTRAP"]
+        for name, raw in env.items():
+            if name.startswith("LLMQ_RDKAFKA_"):
+                prop = name[len("LLMQ_RDKAFKA_"):].lower().replace("_", ".")
+                self.kafka.properties[prop] = raw
+            elif name.startswith("LLMQ_") and "__" in name:
+                section, _, key = name[len("LLMQ_"):].lower().partition("__")
+                if not hasattr(self, section) or section.startswith("_"):
+                    raise ConfigError(name, f"unknown section {section!r}")
+                _set_field(getattr(self, section), name, key, raw, from_env=True)
+
+    def validate(self) -> None:
+        def positive(key: str, value: float) -> None:
+            if value <= 0:
+                raise ConfigError(key, f"must be > 0, got {value!r}")
+
+        def non_negative(key: str, value: float) -> None:
+            if value < 0:
+                raise ConfigError(key, f"must be >= 0, got {value!r}")
+
+        if not self.kafka.bootstrap.strip():
+            raise ConfigError("kafka.bootstrap", "must not be empty")
+        for key in ("request_partitions", "response_partitions", "dlq_partitions", "replication_factor"):
+            positive(f"topics.{key}", getattr(self.topics, key))
+        if not self.topics.prefix or any(c.isspace() for c in self.topics.prefix):
+            raise ConfigError("topics.prefix", "must be a non-empty name without spaces")
+        for key in ("max_record_bytes", "max_prompt_bytes", "max_metadata_entries", "max_string_bytes", "max_output_bytes"):
+            positive(f"serde.{key}", getattr(self.serde, key))
+        if self.serde.wire_format not in ("single-object", "confluent"):
+            raise ConfigError("serde.wire_format", "must be 'single-object' or 'confluent'")
+        if self.serde.wire_format == "confluent" and not self.serde.registry_url:
+            raise ConfigError("serde.registry_url", "required when serde.wire_format = 'confluent'")
+        for key in ("max_inflight", "batch_size", "commit_interval_ms", "idle_poll_ms", "max_poll_interval_ms"):
+            positive(f"worker.{key}", getattr(self.worker, key))
+        for key in ("shutdown_grace_s", "sim_latency_ms", "sim_ms_per_token"):
+            non_negative(f"worker.{key}", getattr(self.worker, key))
+        if self.worker.backend not in ("simulated",):
+            raise ConfigError("worker.backend", f"unknown backend {self.worker.backend!r} (known: simulated)")
+        if not 0 < self.broker.port < 65536:
+            raise ConfigError("broker.port", f"must be a TCP port, got {self.broker.port}")
+
+
+def _set_field(target: Any, key_path: str, key: str, value: Any, *, from_env: bool) -> None:
+    fields = {f.name: f for f in dataclasses.fields(target)}
+    if key not in fields:
+        raise ConfigError(key_path, f"unknown setting (known: {', '.join(sorted(fields))})")
+    hints = typing.get_type_hints(type(target))
+    setattr(target, key, _coerce(key_path, hints[key], value, from_env))
+
+
+def _coerce(key_path: str, hint: Any, value: Any, from_env: bool) -> Any:
+    origin = typing.get_origin(hint)
+    try:
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true or false")
+        if hint is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError("expected an integer")
+            return int(value)
+        if hint is float:
+            if isinstance(value, bool):
+                raise ValueError("expected a number")
+            return float(value)
+        if hint is str:
+            if not isinstance(value, str):
+                raise ValueError("expected a string")
+            return value
+        if origin is dict:
+            if from_env:
+                # "k=v,k2=v2" in the environment
+                pairs = [item.split("=", 1) for item in str(value).split(",") if item.strip()]
+                if any(len(p) != 2 for p in pairs):
+                    raise ValueError("expected k=v,k2=v2")
+                return {k.strip(): v.strip() for k, v in pairs}
+            if not isinstance(value, Mapping):
+                raise ValueError("expected a table")
+            return dict(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(key_path, f"{exc} (got {value!r})") from None
+    raise ConfigError(key_path, f"unsupported setting type {hint!r}")

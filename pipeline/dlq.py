@@ -1,0 +1,41 @@
+"""Dead letters: the original bytes of a message llmq could not read, and why.
+
+The value and key are copied byte for byte; the reason travels in headers so that any
+Kafka tool can inspect or replay a dead letter without llmq.
+"""
+
+from __future__ import annotations
+
+import time
+
+H_SOURCE_TOPIC = "llmq.dlq.source.topic"
+H_SOURCE_PARTITION = "llmq.dlq.source.partition"
+H_SOURCE_OFFSET = "llmq.dlq.source.offset"
+H_REASON = "llmq.dlq.reason"
+H_ERROR = "llmq.dlq.error"
+H_STAGE = "llmq.dlq.stage"
+H_FAILED_AT = "llmq.dlq.failed.at"
+
+_MAX_ERROR_CHARS = 1000
+
+
+def dead_letter_headers(topic: str, partition: int, offset: int, reason: str, error: str, stage: str,
+                        original_headers: list[tuple[str, bytes]] | None = None) -> list[tuple[str, bytes]]:
+    headers = [
+        (H_SOURCE_TOPIC, topic.encode()),
+        (H_SOURCE_PARTITION, str(partition).encode()),
+        (H_SOURCE_OFFSET, str(offset).encode()),
+        (H_REASON, reason.encode()),
+        (H_ERROR, error[:_MAX_ERROR_CHARS].encode("utf-8", "replace")),
+        (H_STAGE, stage.encode()),
+        (H_FAILED_AT, str(int(time.time() * 1000)).encode()),
+    ]
+    # Keep the producer's own headers after ours, untouched (they are data, never trusted).
+    if original_headers:
+        headers.extend((k, v if v is not None else b"") for k, v in original_headers)
+    return headers
+
+
+def header_dict(headers: list[tuple[str, bytes]] | None) -> dict[str, str]:
+    """The llmq.dlq.* headers of a dead letter, decoded (for tools and tests)."""
+    return {k: (v or b"").decode("utf-8", "replace") for k, v in (headers or []) if k.startswith("llmq.dlq.")}

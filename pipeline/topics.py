@@ -1,0 +1,97 @@
+"""Topic names and specs, and their idempotent creation and verification."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from pipeline.config import Settings
+from pipeline.errors import KafkaOperationError, TopicMismatchError
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    replication_factor: int
+    config: dict[str, str] = field(default_factory=dict)
+    role: str = ""
+
+
+@dataclass
+class TopicReport:
+    created: list[str] = field(default_factory=list)
+    existing: list[str] = field(default_factory=list)
+    #: (topic, configured partitions, actual partitions)
+    mismatched: list[tuple[str, int, int]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatched
+
+    def describe(self) -> str:
+        lines = [f"created  {t}" for t in self.created]
+        lines += [f"exists   {t}" for t in self.existing]
+        lines += [f"MISMATCH {t}: configured {want} partitions, broker has {have}"
+                  for t, want, have in self.mismatched]
+        return "\n".join(lines)
+
+
+def pipeline_topics(settings: Settings) -> list[TopicSpec]:
+    t = settings.topics
+    specs = [TopicSpec(name, t.request_partitions, t.replication_factor, dict(t.request_config), "requests")
+             for name in t.request_topics]
+    specs.append(TopicSpec(t.responses, t.response_partitions, t.replication_factor, dict(t.response_config), "responses"))
+    specs.append(TopicSpec(t.dlq, t.dlq_partitions, t.replication_factor, dict(t.dlq_config), "dead letters"))
+    return specs
+
+
+def ensure_topics(admin: AdminClient, specs: list[TopicSpec], timeout: float = 30.0) -> TopicReport:
+    """Create missing topics; report existing ones whose partition count differs.
+
+    Never alters an existing topic: shrinking is impossible in Kafka and growing changes
+    which partition a tenant's key hashes to, so that is left to an operator's decision.
+    """
+    report = TopicReport()
+    try:
+        existing = admin.list_topics(timeout=timeout).topics
+    except KafkaException as exc:
+        raise KafkaOperationError("list topics", str(exc.args[0]), exc.args[0]) from exc
+    missing = []
+    for spec in specs:
+        md = existing.get(spec.name)
+        if md is None or md.error is not None and md.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+            missing.append(spec)
+            continue
+        have = len(md.partitions)
+        if have != spec.partitions:
+            report.mismatched.append((spec.name, spec.partitions, have))
+        else:
+            report.existing.append(spec.name)
+    if missing:
+        futures = admin.create_topics(
+            [NewTopic(s.name, num_partitions=s.partitions, replication_factor=s.replication_factor, config=s.config)
+             for s in missing],
+            operation_timeout=timeout, request_timeout=timeout)
+        for name, fut in futures.items():
+            try:
+                fut.result()
+                report.created.append(name)
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                    # Created concurrently by another process: verify like any existing topic.
+                    report.existing.append(name)
+                else:
+                    raise KafkaOperationError(f"create topic {name}", err.str(), err) from exc
+    return report
+
+
+def create_pipeline_topics(settings: Settings, strict: bool = True) -> TopicReport:
+    admin = AdminClient(settings.kafka.admin_config())
+    report = ensure_topics(admin, pipeline_topics(settings))
+    if strict and not report.ok:
+        raise TopicMismatchError(report.describe())
+    return report

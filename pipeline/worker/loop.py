@@ -1,0 +1,358 @@
+"""The worker loop: consume requests, call the backend, publish responses, commit behind them.
+
+One asyncio thread owns the consumer and the producer, so rebalance callbacks, delivery
+callbacks and commits never race. The loop never blocks on the backend: calls run as
+tasks (up to ``max_inflight``), and the loop keeps calling ``consume`` — with the
+partitions paused when the worker is full — so a long LLM call never makes the group
+evict the worker for missing ``max.poll.interval.ms``.
+
+Delivery guarantee (at-least-once): a request's offset becomes committable only when the
+broker has acknowledged its response (or its dead letter), and a partition commits only
+up to its contiguous finished prefix. A crash therefore re-runs, never loses, requests;
+each response carries the request_id so clients can drop duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
+from pipeline.config import Settings
+from pipeline.dlq import dead_letter_headers
+from pipeline.errors import BackendError, DecodeError, KafkaOperationError
+from pipeline.models import Request, Response, Status
+from pipeline.serde import Codec
+from pipeline.worker.backends.base import Backend, Completion
+from pipeline.worker.offsets import OffsetTracker
+
+log = logging.getLogger(__name__)
+
+_PARTITION_EOF = KafkaError._PARTITION_EOF
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class WorkerStats:
+    consumed: int = 0
+    completed: int = 0
+    failed: int = 0
+    expired: int = 0
+    dead_lettered: int = 0
+    delivery_retries: int = 0
+    commits: int = 0
+    rebalances: int = 0
+    delivered: int = 0  # responses and dead letters the broker acknowledged
+    first_consumed_at: float = 0.0  # time.perf_counter() of the first message
+    last_delivered_at: float = 0.0
+
+
+class Worker:
+    def __init__(self, settings: Settings, backend: Backend, *, topics: list[str] | None = None,
+                 codec: Codec | None = None, worker_id: str | None = None,
+                 consumer_overrides: dict | None = None, producer_overrides: dict | None = None):
+        self.settings = settings
+        self.cfg = settings.worker
+        self.backend = backend
+        self.topics = topics or settings.topics.request_topics
+        self.codec = codec or Codec.default()
+        self.worker_id = worker_id or self.cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.responses_topic = settings.topics.responses
+        self.dlq_topic = settings.topics.dlq
+        self.stats = WorkerStats()
+        self.tracker = OffsetTracker()
+        self._consumer_overrides = consumer_overrides or {}
+        self._producer_overrides = producer_overrides or {}
+        self._tasks: dict[tuple[tuple[str, int], int], asyncio.Task] = {}
+        self._stop = threading.Event()
+        self._paused = False
+        self._assignment_changed = False
+        self._fatal: KafkaOperationError | None = None
+        self._last_commit = time.monotonic()
+        self.consumer: Consumer | None = None
+        self.producer: Producer | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to stop (thread-safe, signal-safe)."""
+        self._stop.set()
+
+    def run(self, install_signals: bool = True) -> WorkerStats:
+        """Run until :meth:`stop`, SIGTERM or SIGINT; then drain, commit and leave the group."""
+        if install_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stop())
+        asyncio.run(self._main())
+        if self._fatal is not None:
+            raise self._fatal
+        return self.stats
+
+    async def _main(self) -> None:
+        cfg = self.cfg
+        self.producer = Producer(self.settings.kafka.producer_config(
+            **{"client.id": f"llmq-worker-{self.worker_id}"}, **self._producer_overrides))
+        self.consumer = Consumer(self.settings.kafka.consumer_config(
+            cfg.group_id,
+            **{"client.id": f"llmq-worker-{self.worker_id}",
+               "max.poll.interval.ms": cfg.max_poll_interval_ms,
+               "on_commit": self._on_commit},
+            **self._consumer_overrides))
+        self.consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                on_lost=self._on_lost)
+        log.info("worker %s consuming %s as group %s (backend %s, max in flight %d)",
+                 self.worker_id, ", ".join(self.topics), cfg.group_id, self.backend.name, cfg.max_inflight)
+        try:
+            await self._consume_until_stopped()
+            await self._drain(cfg.shutdown_grace_s)
+        finally:
+            self._close()
+            await self.backend.close()
+
+    async def _consume_until_stopped(self) -> None:
+        consumer, producer, cfg = self.consumer, self.producer, self.cfg
+        idle_s = cfg.idle_poll_ms / 1000.0
+        commit_every = cfg.commit_interval_ms / 1000.0
+        batch = cfg.batch_size
+        handle = self._handle
+        while not self._stop.is_set() and self._fatal is None:
+            room = cfg.max_inflight - len(self._tasks)
+            self._apply_flow_control(room > 0)
+            msgs = consumer.consume(min(batch, max(room, 1)), 0)
+            if self._assignment_changed:
+                self._assignment_changed = False
+                self._apply_flow_control(room > 0, force=True)
+            for msg in msgs:
+                handle(msg)
+            producer.poll(0)
+            if time.monotonic() - self._last_commit >= commit_every:
+                self._commit(asynchronous=True)
+            if not msgs:
+                await asyncio.sleep(idle_s)
+            elif self._tasks:
+                await asyncio.sleep(0)
+
+    def _apply_flow_control(self, want_running: bool, force: bool = False) -> None:
+        if want_running == (not self._paused) and not force:
+            return
+        assignment = self.consumer.assignment()
+        if want_running:
+            if self._paused and assignment:
+                self.consumer.resume(assignment)
+            self._paused = False
+        else:
+            if assignment:
+                self.consumer.pause(assignment)
+            self._paused = True
+
+    # -- per message ----------------------------------------------------------------------
+
+    def _handle(self, msg) -> None:
+        err = msg.error()
+        if err is not None:
+            if err.code() != _PARTITION_EOF:
+                log.warning("consumer error: %s", err)
+                if err.fatal():
+                    self._fatal = KafkaOperationError("consume", err.str(), err)
+            return
+        tp = (msg.topic(), msg.partition())
+        offset = msg.offset()
+        self.tracker.started(tp, offset)
+        stats = self.stats
+        if not stats.consumed:
+            stats.first_consumed_at = time.perf_counter()
+        stats.consumed += 1
+        value = msg.value()
+        try:
+            if value is None:
+                raise DecodeError("empty", "message has no value (tombstone)")
+            request = self.codec.decode_request(value)
+        except DecodeError as exc:
+            self._dead_letter(msg, tp, offset, exc.reason, str(exc))
+            return
+        started = _now_ms()
+        if request.timeout_ms <= 0 or request.created_at + request.timeout_ms <= started:
+            self.stats.expired += 1
+            self._respond(tp, offset, Response.for_request(
+                request, Status.EXPIRED, reason="deadline_passed: the request's timeout ran out before a worker "
+                                                "took it", worker_id=self.worker_id, started_at=started))
+            return
+        completion = self.backend.complete_now(request)
+        if completion is not None:
+            self._respond_completed(tp, offset, request, started, completion)
+        else:
+            self._tasks[(tp, offset)] = asyncio.get_running_loop().create_task(
+                self._call_backend(tp, offset, request, started))
+
+    async def _call_backend(self, tp, offset: int, request: Request, started: int) -> None:
+        try:
+            completion = await self.backend.complete(request)
+        except asyncio.CancelledError:
+            # Handed back (shutdown or revocation): the offset stays uncommitted, so the
+            # partition's next owner runs the request.
+            raise
+        except BackendError as exc:
+            self.stats.failed += 1
+            self._respond(tp, offset, Response.for_request(
+                request, Status.FAILED, reason=f"backend_error: {exc}", worker_id=self.worker_id,
+                started_at=started, served_priority=request.priority, model=request.model))
+        except Exception as exc:  # a backend bug must not lose the request
+            log.exception("backend %s crashed on request %s", self.backend.name, request.request_id)
+            self.stats.failed += 1
+            self._respond(tp, offset, Response.for_request(
+                request, Status.FAILED, reason=f"backend_error: {type(exc).__name__}: {exc}",
+                worker_id=self.worker_id, started_at=started, served_priority=request.priority,
+                model=request.model))
+        else:
+            self._respond_completed(tp, offset, request, started, completion)
+        finally:
+            self._tasks.pop((tp, offset), None)
+
+    def _respond_completed(self, tp, offset: int, request: Request, started: int, c: Completion) -> None:
+        self.stats.completed += 1
+        self._respond(tp, offset, Response.for_request(
+            request, Status.COMPLETED, output=c.output, prompt_tokens=c.prompt_tokens,
+            completion_tokens=c.completion_tokens, model=c.model, served_priority=request.priority,
+            started_at=started, worker_id=self.worker_id))
+
+    def _respond(self, tp, offset: int, response: Response) -> None:
+        value = self.codec.encode_response(response)
+        self._produce(self.responses_topic, value, response.tenant_id.encode(), None,
+                      functools.partial(self._delivered, tp, offset))
+
+    def _dead_letter(self, msg, tp, offset: int, reason: str, error: str) -> None:
+        self.stats.dead_lettered += 1
+        log.warning("dead-lettering %s[%d]@%d: %s", tp[0], tp[1], offset, error)
+        headers = dead_letter_headers(tp[0], tp[1], offset, reason, error, "worker", msg.headers())
+        self._produce(self.dlq_topic, msg.value(), msg.key(), headers, functools.partial(self._delivered, tp, offset))
+
+    def _produce(self, topic: str, value, key, headers, on_delivery) -> None:
+        while True:
+            try:
+                self.producer.produce(topic, value, key, headers=headers, on_delivery=on_delivery)
+                return
+            except BufferError:
+                # Local queue full: serve delivery reports until there is room.
+                self.producer.poll(0.05)
+
+    def _delivered(self, tp, offset: int, err, msg) -> None:
+        if err is None:
+            self.tracker.finished(tp, offset)
+            stats = self.stats
+            stats.delivered += 1
+            stats.last_delivered_at = time.perf_counter()
+            return
+        if err.fatal():
+            self._fatal = KafkaOperationError("produce response", err.str(), err)
+            log.error("fatal producer error, stopping without committing %s[%d]@%d: %s", tp[0], tp[1], offset, err)
+            return
+        # Not acknowledged: never commit past it; publish again (idempotent producer).
+        self.stats.delivery_retries += 1
+        log.warning("response for %s[%d]@%d not delivered (%s); retrying", tp[0], tp[1], offset, err)
+        self._produce(msg.topic(), msg.value(), msg.key(), msg.headers(), functools.partial(self._delivered, tp, offset))
+
+    # -- commits and rebalances -----------------------------------------------------------
+
+    def _commit(self, asynchronous: bool, only: set | None = None) -> None:
+        self._last_commit = time.monotonic()
+        positions = self.tracker.to_commit(only)
+        if not positions:
+            return
+        offsets = [TopicPartition(t, p, pos) for (t, p), pos in positions]
+        try:
+            self.consumer.commit(offsets=offsets, asynchronous=asynchronous)
+        except KafkaException as exc:
+            err = exc.args[0]
+            # No assignment any more / rebalance in progress: the next owner starts from the
+            # last successful commit, which only means redelivery.
+            log.warning("commit failed (%s); those requests may be redelivered", err)
+            return
+        self.tracker.mark_committed(positions)
+        self.stats.commits += 1
+
+    def _on_commit(self, err, partitions) -> None:
+        if err is not None and err.code() != KafkaError._NO_OFFSET:
+            log.warning("asynchronous commit failed: %s", err)
+
+    def _on_assign(self, consumer, partitions) -> None:
+        self.stats.rebalances += 1
+        self._assignment_changed = True
+        log.info("assigned %s", _fmt(partitions))
+
+    def _on_revoke(self, consumer, partitions) -> None:
+        self.stats.rebalances += 1
+        self._assignment_changed = True
+        revoked = {(p.topic, p.partition) for p in partitions}
+        log.info("revoked %s", _fmt(partitions))
+        # Hand back in-flight work of revoked partitions: its offsets stay uncommitted.
+        for key, task in list(self._tasks.items()):
+            if key[0] in revoked:
+                task.cancel()
+                self._tasks.pop(key, None)
+        # Publish and acknowledge what is finished, commit it, then let the partitions go.
+        self.producer.flush(10)
+        self._commit(asynchronous=False, only=revoked)
+        for tp in revoked:
+            self.tracker.forget(tp)
+
+    def _on_lost(self, consumer, partitions) -> None:
+        # Lost, not revoked: another member may already own them, so committing is pointless.
+        self._assignment_changed = True
+        log.warning("lost %s (session timed out?)", _fmt(partitions))
+        lost = {(p.topic, p.partition) for p in partitions}
+        for key, task in list(self._tasks.items()):
+            if key[0] in lost:
+                task.cancel()
+                self._tasks.pop(key, None)
+        for tp in lost:
+            self.tracker.forget(tp)
+
+    async def _drain(self, grace_s: float) -> None:
+        """Stop fetching, let in-flight calls finish within the grace period, hand back the rest."""
+        if self.consumer is None:
+            return
+        self._apply_flow_control(False, force=True)
+        deadline = time.monotonic() + grace_s
+        if self._tasks:
+            log.info("draining %d in-flight requests (grace %.1fs)", len(self._tasks), grace_s)
+        while self._tasks and time.monotonic() < deadline and self._fatal is None:
+            self.consumer.consume(1, 0)  # keeps group membership alive; partitions are paused
+            self.producer.poll(0)
+            await asyncio.sleep(0.01)
+        for task in list(self._tasks.values()):
+            task.cancel()
+        if self._tasks:
+            log.info("handing back %d unfinished requests", len(self._tasks))
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        remaining = self.producer.flush(30)
+        if remaining:
+            log.error("%d responses still unacknowledged at shutdown; their requests will be redelivered", remaining)
+
+    def _close(self) -> None:
+        if self.consumer is not None:
+            if self._fatal is None:
+                self._commit(asynchronous=False)
+            try:
+                self.consumer.close()  # leaves the group now instead of after session timeout
+            except (KafkaException, RuntimeError) as exc:
+                log.warning("closing consumer: %s", exc)
+            self.consumer = None
+        if self.producer is not None:
+            self.producer.flush(10)
+            self.producer = None
+        log.info("worker %s stopped: %s", self.worker_id, self.stats)
+
+
+def _fmt(partitions) -> str:
+    return ", ".join(f"{p.topic}[{p.partition}]" for p in partitions) or "nothing"

@@ -1,0 +1,125 @@
+"""Helpers shared by integration tests: settings with unique topics, a worker on a thread."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import uuid
+
+from pipeline.config import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_settings(bootstrap: str, **worker) -> Settings:
+    """Settings whose topics and group are unique to the calling test."""
+    settings = Settings.load(env={})
+    settings.kafka.bootstrap = bootstrap
+    settings.topics.prefix = f"t{uuid.uuid4().hex[:10]}.llm"
+    settings.topics.request_partitions = 3
+    settings.topics.response_partitions = 3
+    settings.worker.group_id = f"{settings.topics.prefix}.workers"
+    settings.worker.commit_interval_ms = 200
+    settings.worker.shutdown_grace_s = 5
+    for k, v in worker.items():
+        setattr(settings.worker, k, v)
+    return settings
+
+
+@contextlib.contextmanager
+def running_worker(settings: Settings, backend=None, **kwargs):
+    """A Worker on a thread; stopped (drain, commit, leave) on exit."""
+    from pipeline.worker.backends.simulated import SimulatedBackend
+    from pipeline.worker.loop import Worker
+
+    worker = Worker(settings, backend or SimulatedBackend(), **kwargs)
+    errors = []
+
+    def run():
+        try:
+            worker.run(install_signals=False)
+        except BaseException as exc:  # surfaced in the test, not lost in the thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="test-worker", daemon=True)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        thread.join(30)
+        assert not thread.is_alive(), "worker did not stop within 30 s"
+        if errors:
+            raise errors[0]
+
+
+def read_topic(bootstrap: str, topic: str, *, until=None, timeout: float = 30.0,
+               isolation: str = "read_committed") -> list:
+    """Every message of ``topic`` from the beginning.
+
+    Reads until the high watermarks seen at the start are reached, or — with ``until``, a
+    predicate over the messages so far — until it holds (waiting up to ``timeout``).
+    """
+    import time
+
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "isolation.level": isolation,
+                         "enable.partition.eof": False})
+    try:
+        md = consumer.list_topics(topic, timeout=10).topics[topic]
+        parts = [TopicPartition(topic, p, OFFSET_BEGINNING) for p in md.partitions]
+        consumer.assign(parts)
+        highs = {p.partition: consumer.get_watermark_offsets(TopicPartition(topic, p.partition), timeout=10)[1]
+                 for p in parts}
+        out, positions = [], {p: 0 for p in highs}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for msg in consumer.consume(1000, 0.2):
+                if msg.error() is None:
+                    out.append(msg)
+                    positions[msg.partition()] = msg.offset() + 1
+            if until is not None:
+                if until(out):
+                    return out
+            elif all(positions[p] >= highs[p] for p in highs):
+                return out
+        if until is not None:
+            raise AssertionError(f"condition on {topic} not met within {timeout}s ({len(out)} messages read)")
+        return out
+    finally:
+        consumer.close()
+
+
+def committed_offsets(bootstrap: str, group: str, topics: list[str]) -> dict[tuple[str, int], int]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        parts = []
+        for topic in topics:
+            md = consumer.list_topics(topic, timeout=10).topics[topic]
+            parts += [TopicPartition(topic, p) for p in md.partitions]
+        return {(tp.topic, tp.partition): tp.offset for tp in consumer.committed(parts, timeout=10)}
+    finally:
+        consumer.close()
+
+
+def end_offsets(bootstrap: str, topics: list[str]) -> dict[tuple[str, int], int]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "end-offsets"})
+    try:
+        out = {}
+        for topic in topics:
+            for p in consumer.list_topics(topic, timeout=10).topics[topic].partitions:
+                out[(topic, p)] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+        return out
+    finally:
+        consumer.close()

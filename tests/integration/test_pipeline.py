@@ -1,0 +1,116 @@
+"""Requests flow from the per-priority topics through a worker to the response topic."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pipeline.client import AsyncLlmqClient, LlmqClient
+from pipeline.dlq import header_dict
+from pipeline.models import Priority, Request, Status
+from pipeline.serde import Codec
+from pipeline.worker.backends.simulated import expected_output
+from tests.integration.harness import committed_offsets, end_offsets, read_topic, running_worker
+
+
+def test_a_request_of_every_priority_round_trips_through_its_topic(settings):
+    with running_worker(settings), LlmqClient(settings) as client:
+        requests = [Request.new(f"tenant-{p.value.lower()}", f"prompt for {p.value}", priority=p) for p in Priority]
+        for req in requests:
+            sub = client.submit(req)
+            assert sub.topic == settings.topics.request_topic(req.priority)
+        for req in requests:
+            resp = client.result(req.request_id, timeout=30)
+            assert resp.status is Status.COMPLETED, resp.reason
+            assert resp.request_id == req.request_id and resp.tenant_id == req.tenant_id
+            assert resp.requested_priority is req.priority and resp.served_priority is req.priority
+            assert resp.output == expected_output(req)
+            assert resp.created_at == req.created_at
+            assert resp.started_at is not None and resp.finished_at >= resp.started_at
+            assert resp.worker_id
+
+
+def test_requests_are_keyed_by_tenant_and_responses_commit_behind(settings):
+    with running_worker(settings), LlmqClient(settings) as client:
+        reqs = [Request.new("tenant-a" if i % 2 else "tenant-b", f"p{i}", priority=Priority.NORMAL)
+                for i in range(50)]
+        subs = [client.submit_nowait(r) for r in reqs]
+        partitions = {}
+        for req, fut in zip(reqs, subs):
+            partitions.setdefault(req.tenant_id, set()).add(fut.result(30).partition)
+        assert all(len(p) == 1 for p in partitions.values())  # one tenant, one partition
+        for req in reqs:
+            assert client.result(req.request_id, timeout=30).status is Status.COMPLETED
+    # After the worker stopped (drain + commit), its group's position is at the end of the topic.
+    topic = settings.topics.request_topic(Priority.NORMAL)
+    committed = committed_offsets(settings.kafka.bootstrap, settings.worker.group_id, [topic])
+    ends = end_offsets(settings.kafka.bootstrap, [topic])
+    for tp, end in ends.items():
+        if end > 0:
+            assert committed[tp] == end
+
+
+def test_async_client_submits_and_awaits(settings):
+    async def scenario():
+        async with AsyncLlmqClient(settings) as client:
+            reqs = [Request.new("tenant-async", f"q{i}", priority=Priority.HIGH) for i in range(20)]
+            await asyncio.gather(*(client.submit(r) for r in reqs))
+            return await asyncio.gather(*(client.result(r.request_id, timeout=30) for r in reqs)), reqs
+
+    with running_worker(settings):
+        responses, reqs = asyncio.run(scenario())
+    assert [r.request_id for r in responses] == [r.request_id for r in reqs]
+    assert all(r.status is Status.COMPLETED for r in responses)
+
+
+def test_undecodable_messages_go_to_the_dlq_with_original_bytes_and_reason(settings):
+    from confluent_kafka import Producer
+
+    topic = settings.topics.request_topic(Priority.LOW)
+    garbage = {
+        b"definitely not avro": "bad_magic",
+        b"\xc3\x01" + b"\x00" * 8 + b"\x02ab": "unknown_fingerprint",
+        b"\xc3\x01": "truncated",
+        b"\x00\x00\x00\x00\x07rest": "unknown_schema_id",
+    }
+    producer = Producer({"bootstrap.servers": settings.kafka.bootstrap})
+    for value in garbage:
+        producer.produce(topic, value, b"tenant-x", partition=0, headers=[("from", b"test")])
+    valid = Request.new("tenant-x", "still served after the garbage", priority=Priority.LOW)
+    producer.produce(topic, Codec.default().encode_request(valid), b"tenant-x", partition=0)
+    assert producer.flush(10) == 0
+
+    with running_worker(settings) as worker, LlmqClient(settings) as client:
+        assert client.result(valid.request_id, timeout=30).status is Status.COMPLETED
+        letters = read_topic(settings.kafka.bootstrap, settings.topics.dlq, until=lambda m: len(m) >= len(garbage))
+        assert worker.stats.dead_lettered == len(garbage)
+    by_value = {m.value(): m for m in letters}
+    assert set(by_value) == set(garbage)
+    for value, reason in garbage.items():
+        msg = by_value[value]
+        h = header_dict(msg.headers())
+        assert msg.key() == b"tenant-x"
+        assert h["llmq.dlq.source.topic"] == topic
+        assert h["llmq.dlq.source.partition"] == "0"
+        assert h["llmq.dlq.reason"] == reason, h
+        assert h["llmq.dlq.error"]
+        assert ("from", b"test") in msg.headers()  # the producer's own headers are kept
+    offsets = sorted(int(header_dict(m.headers())["llmq.dlq.source.offset"]) for m in letters)
+    assert offsets == [0, 1, 2, 3]
+    # The garbage did not stall the partition: everything, including it, is committed.
+    committed = committed_offsets(settings.kafka.bootstrap, settings.worker.group_id, [topic])
+    assert committed[(topic, 0)] == 5
+
+
+def test_expired_requests_are_answered_without_calling_the_model(settings):
+    import time
+
+    with running_worker(settings), LlmqClient(settings) as client:
+        stale = Request.new("tenant-late", "too late", timeout_ms=1000)
+        stale.created_at = int(time.time() * 1000) - 5000
+        client.submit(stale)
+        resp = client.result(stale.request_id, timeout=30)
+    assert resp.status is Status.EXPIRED
+    assert resp.reason.startswith("deadline_passed")
+    assert resp.output is None

@@ -1,0 +1,74 @@
+import pytest
+
+from pipeline.config import Settings
+from pipeline.errors import ConfigError
+from pipeline.models import Priority
+
+
+def test_defaults_render_safe_librdkafka_properties():
+    s = Settings.load(env={})
+    p = s.kafka.producer_config()
+    assert p["bootstrap.servers"] == "127.0.0.1:9092"
+    assert p["enable.idempotence"] is True and p["acks"] == "all"
+    c = s.kafka.consumer_config("g")
+    assert c["group.id"] == "g" and c["enable.auto.commit"] is False
+
+
+def test_topic_names_follow_the_prefix():
+    s = Settings.load(env={"LLMQ_TOPICS__PREFIX": "staging.llm"})
+    assert s.topics.request_topic(Priority.CRITICAL) == "staging.llm.requests.critical"
+    assert s.topics.responses == "staging.llm.responses"
+    assert s.topics.dlq == "staging.llm.dlq"
+    assert len(s.topics.request_topics) == 5
+
+
+def test_file_then_environment_then_bootstrap_shortcut(tmp_path):
+    f = tmp_path / "llmq.toml"
+    f.write_text('[worker]\nmax_inflight = 8\n[kafka]\nbootstrap = "kafka:9092"\n'
+                 '[kafka.properties]\n"linger.ms" = 20\n')
+    s = Settings.load(f, env={"LLMQ_WORKER__MAX_INFLIGHT": "16", "LLMQ_RDKAFKA_FETCH_MIN_BYTES": "1024"})
+    assert s.worker.max_inflight == 16
+    assert s.kafka.bootstrap == "kafka:9092"
+    assert s.kafka.producer_config()["linger.ms"] == 20
+    assert s.kafka.consumer_config("g")["fetch.min.bytes"] == "1024"
+    s2 = Settings.load(f, env={"LLMQ_BOOTSTRAP": "b:1", "LLMQ_CONFIG": "ignored-when-path-given"})
+    assert s2.kafka.bootstrap == "b:1"
+
+
+def test_passthrough_properties_win_over_llmq_defaults():
+    s = Settings.load(env={"LLMQ_RDKAFKA_ACKS": "1"})
+    assert s.kafka.producer_config()["acks"] == "1"
+
+
+@pytest.mark.parametrize("env, key", [
+    ({"LLMQ_WORKER__MAX_INFLIGHT": "0"}, "worker.max_inflight"),
+    ({"LLMQ_WORKER__MAX_INFLIGHT": "lots"}, "LLMQ_WORKER__MAX_INFLIGHT"),
+    ({"LLMQ_WORKER__NO_SUCH_KEY": "1"}, "LLMQ_WORKER__NO_SUCH_KEY"),
+    ({"LLMQ_NOSECTION__X": "1"}, "LLMQ_NOSECTION__X"),
+    ({"LLMQ_SERDE__WIRE_FORMAT": "confluent"}, "serde.registry_url"),
+    ({"LLMQ_TOPICS__REQUEST_PARTITIONS": "-1"}, "topics.request_partitions"),
+])
+def test_invalid_settings_are_refused_naming_the_key(env, key):
+    with pytest.raises(ConfigError) as info:
+        Settings.load(env=env)
+    assert info.value.key == key
+    assert key in str(info.value)
+
+
+def test_unknown_keys_in_the_file_are_refused_naming_them(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[worker]\nmax_in_flight = 3\n")
+    with pytest.raises(ConfigError, match="worker.max_in_flight"):
+        Settings.load(f, env={})
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        Settings.load(env={"LLMQ_CONFIG": str(tmp_path / "nope.toml")})
+
+
+def test_example_config_in_deploy_is_valid():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "deploy" / "llmq.toml"
+    Settings.load(example, env={})

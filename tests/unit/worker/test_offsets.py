@@ -1,0 +1,65 @@
+from pipeline.worker.offsets import OffsetTracker
+
+TP = ("llm.requests.high", 0)
+
+
+def test_commit_position_is_one_past_the_contiguous_finished_prefix():
+    t = OffsetTracker()
+    for off in (10, 11, 12, 13):
+        t.started(TP, off)
+    t.finished(TP, 11)
+    t.finished(TP, 13)
+    assert t.to_commit() == []  # 10 is still running: nothing may be committed
+    t.finished(TP, 10)
+    assert t.to_commit() == [(TP, 12)]  # 10, 11 done; 12 holds the position
+    t.finished(TP, 12)
+    assert t.to_commit() == [(TP, 14)]
+
+
+def test_a_slow_message_is_never_committed_past():
+    t = OffsetTracker()
+    for off in range(100):
+        t.started(TP, off)
+    for off in range(1, 100):
+        t.finished(TP, off)
+    assert t.to_commit() == []
+    assert t.in_flight(TP) == 100
+
+
+def test_positions_are_reported_once_until_they_move():
+    t = OffsetTracker()
+    t.started(TP, 0)
+    t.finished(TP, 0)
+    positions = t.to_commit()
+    t.mark_committed(positions)
+    assert t.to_commit() == []
+    t.started(TP, 1)
+    t.finished(TP, 1)
+    assert t.to_commit() == [(TP, 2)]
+
+
+def test_gaps_in_offsets_from_compaction_or_transaction_markers_do_not_block():
+    t = OffsetTracker()
+    for off in (5, 9, 20):
+        t.started(TP, off)
+    for off in (20, 9, 5):
+        t.finished(TP, off)
+    assert t.to_commit() == [(TP, 21)]
+
+
+def test_finishing_after_the_partition_was_revoked_is_ignored():
+    t = OffsetTracker()
+    t.started(TP, 0)
+    t.forget(TP)
+    t.finished(TP, 0)
+    assert t.to_commit() == []
+
+
+def test_partitions_are_independent_and_only_filter_limits_the_report():
+    other = ("llm.requests.low", 2)
+    t = OffsetTracker()
+    t.started(TP, 0)
+    t.started(other, 7)
+    t.finished(other, 7)
+    assert t.to_commit() == [(other, 8)]
+    assert t.to_commit(only={TP}) == []
