@@ -48,7 +48,9 @@ def _read_response(value: bytes) -> dict:
     assert value[:2] == b"\xc3\x01"
     raw = json.loads((SCHEMAS / "llm_response.avsc").read_text())
     assert value[2:10] == _crc64_avro(fastavro.schema.to_parsing_canonical_form(raw).encode()).to_bytes(8, "little")
-    return fastavro.schemaless_reader(io.BytesIO(value[10:]), fastavro.parse_schema(raw))
+    record = fastavro.schemaless_reader(io.BytesIO(value[10:]), fastavro.parse_schema(raw))
+    record["request_id"] = str(record["request_id"])  # fastavro reads logicalType uuid as uuid.UUID
+    return record
 
 
 def _request_record(**extra) -> dict:

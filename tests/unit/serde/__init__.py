@@ -1,0 +1,140 @@
+"""Unit tests of pipeline.serde, and the helpers they share."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import fastavro
+
+from pipeline.models import Priority, Request, Response, Status, TaskTier
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+SCHEMAS_DIR = REPO_ROOT / "schemas"
+HISTORY_DIR = SCHEMAS_DIR / "history"
+
+
+def load_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def history_schema(name: str, revision: int) -> dict:
+    """A published revision, as JSON (a fresh copy each call)."""
+    return load_json(HISTORY_DIR / f"{name}.{revision}.avsc")
+
+
+def zigzag(n: int) -> bytes:
+    """Avro's zig-zag varint encoding of a long."""
+    n = (n << 1) ^ (n >> 63)
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def avro_body(schema: Any, record: Any) -> bytes:
+    """Avro binary body of ``record`` written by fastavro itself with ``schema``."""
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, fastavro.parse_schema(copy.deepcopy(schema)), record)
+    return buf.getvalue()
+
+
+def write_schema_dir(root: Path, history: dict[str, list[dict]], current: dict[str, dict]) -> Path:
+    """Lay out a schema directory: ``history[name]`` holds revisions 1..n."""
+    (root / "history").mkdir(parents=True, exist_ok=True)
+    for name, revisions in history.items():
+        for number, schema in enumerate(revisions, start=1):
+            (root / "history" / f"{name}.{number}.avsc").write_text(json.dumps(schema, indent=2))
+    for name, schema in current.items():
+        (root / f"{name}.avsc").write_text(json.dumps(schema, indent=2))
+    return root
+
+
+def copy_schema_dir(root: Path) -> Path:
+    """A copy of the repository's schemas/ at ``root`` (which must not exist)."""
+    shutil.copytree(SCHEMAS_DIR, root)
+    return root
+
+
+def full_request(**overrides: Any) -> Request:
+    """A request with every optional field set to a non-default value."""
+    fields: dict[str, Any] = dict(
+        request_id="0b6f8a3c-2f1e-4d2a-9c53-6d7e8f901234",
+        tenant_id="tenant-42",
+        priority=Priority.HIGH,
+        prompt="Explain the Avro single-object encoding. ünïcødé ✓ 🚀",
+        model="sim-large",
+        max_tokens=512,
+        created_at=1_700_000_000_123,
+        timeout_ms=30_000,
+        user_tier="gold",
+        task_tier=TaskTier.REALTIME,
+        allow_degrade=True,
+        notify_queued=True,
+        trace_id="trace-abc-123",
+        metadata={"source": "cli", "lang": "en", "ключ": "значение"},
+    )
+    fields.update(overrides)
+    return Request(**fields)
+
+
+def minimal_request(**overrides: Any) -> Request:
+    """A request with every optional field left at its default."""
+    fields: dict[str, Any] = dict(
+        request_id="1c7e9b4d-3a2f-4e3b-8d64-7e8f9a012345",
+        tenant_id="t",
+        priority=Priority.NORMAL,
+        prompt="",
+        model="sim-small",
+        max_tokens=0,
+        created_at=0,
+        timeout_ms=0,
+    )
+    fields.update(overrides)
+    return Request(**fields)
+
+
+def full_response(**overrides: Any) -> Response:
+    """A response with every optional field set."""
+    fields: dict[str, Any] = dict(
+        request_id="0b6f8a3c-2f1e-4d2a-9c53-6d7e8f901234",
+        tenant_id="tenant-42",
+        status=Status.COMPLETED,
+        reason="ok: served",
+        output="Avro single-object encoding is C3 01 + fingerprint + body. ✓",
+        prompt_tokens=17,
+        completion_tokens=250,
+        model="sim-small",
+        degraded=True,
+        requested_priority=Priority.HIGH,
+        served_priority=Priority.LOW,
+        created_at=1_700_000_000_123,
+        admitted_at=1_700_000_000_200,
+        started_at=1_700_000_000_300,
+        finished_at=1_700_000_001_000,
+        worker_id="worker-3",
+        retry_after_ms=1500,
+        metadata={"trace_id": "trace-abc-123"},
+    )
+    fields.update(overrides)
+    return Response(**fields)
+
+
+def minimal_response(**overrides: Any) -> Response:
+    """A response with every optional field left at its default."""
+    fields: dict[str, Any] = dict(
+        request_id="1c7e9b4d-3a2f-4e3b-8d64-7e8f9a012345",
+        tenant_id="t",
+        status=Status.REJECTED,
+        requested_priority=Priority.BACKGROUND,
+        created_at=0,
+        finished_at=0,
+    )
+    fields.update(overrides)
+    return Response(**fields)

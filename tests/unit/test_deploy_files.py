@@ -1,0 +1,38 @@
+"""The files for users with Docker stay consistent with what the code runs locally."""
+
+from pathlib import Path
+
+import yaml
+
+from pipeline.broker import LocalBroker
+from pipeline.config import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_docker_compose_runs_the_same_kafka_version_and_single_node_settings(tmp_path):
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    kafka = compose["services"]["kafka"]
+    assert kafka["image"] == f"apache/kafka:{Settings().broker.kafka_version}"
+    env = kafka["environment"]
+    broker = LocalBroker(9092, tmp_path)
+    broker._write_config(9093)
+    local = dict(line.split("=", 1) for line in (tmp_path / "server.properties").read_text().splitlines())
+    for key in ("offsets.topic.replication.factor", "transaction.state.log.replication.factor",
+                "transaction.state.log.min.isr", "group.initial.rebalance.delay.ms", "auto.create.topics.enable"):
+        compose_key = "KAFKA_" + key.upper().replace(".", "_")
+        assert str(env[compose_key]).lower() == local[key].lower(), key
+    # Host clients find it where LLMQ_BOOTSTRAP points by default.
+    assert "127.0.0.1:9092:9092" in kafka["ports"]
+    assert Settings().kafka.bootstrap == "127.0.0.1:9092"
+
+
+def test_compose_services_use_the_llmq_commands_that_exist():
+    from pipeline.cli import build_parser
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    parser = build_parser()
+    for name in ("topics", "worker"):
+        command = compose["services"][name]["command"]
+        assert command[0] == "llmq"
+        parser.parse_args(command[1:])

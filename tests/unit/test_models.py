@@ -1,0 +1,238 @@
+"""Tests of pipeline.models: enums, dataclasses and their record conversions."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pipeline.models import Priority, Request, Response, Status, TaskTier, now_ms
+
+SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
+
+
+def _schema(name: str) -> dict:
+    return json.loads((SCHEMAS / f"{name}.avsc").read_text())
+
+
+def _enum_symbols(schema: dict, enum_name: str) -> list[str]:
+    for f in schema["fields"]:
+        types = f["type"] if isinstance(f["type"], list) else [f["type"]]
+        for t in types:
+            if isinstance(t, dict) and t.get("type") == "enum" and t["name"] == enum_name:
+                return t["symbols"]
+    raise AssertionError(f"no enum {enum_name}")
+
+
+# -- enums ---------------------------------------------------------------------
+
+
+def test_priority_ranks_follow_declaration_order():
+    assert [(p.name, p.rank) for p in Priority] == [
+        ("CRITICAL", 0),
+        ("HIGH", 1),
+        ("NORMAL", 2),
+        ("LOW", 3),
+        ("BACKGROUND", 4),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("enum_cls", "schema", "enum_name"),
+    [
+        (Priority, "llm_request", "Priority"),
+        (TaskTier, "llm_request", "TaskTier"),
+        (Status, "llm_response", "Status"),
+        (Priority, "llm_response", "Priority"),
+    ],
+)
+def test_enums_mirror_schema_symbols(enum_cls, schema, enum_name):
+    assert [m.value for m in enum_cls] == _enum_symbols(_schema(schema), enum_name)
+    assert all(m.value == m.name for m in enum_cls)
+
+
+@pytest.mark.parametrize("text", ["high", "HIGH", " High ", "hIgH\n"])
+def test_priority_parse_is_case_insensitive(text):
+    assert Priority.parse(text) is Priority.HIGH
+
+
+def test_parse_returns_members_unchanged():
+    assert Priority.parse(Priority.LOW) is Priority.LOW
+    assert Status.parse("failed") is Status.FAILED
+    assert TaskTier.parse("realtime") is TaskTier.REALTIME
+
+
+@pytest.mark.parametrize("bad", ["urgent", "", "HIGHEST", None, 3])
+def test_priority_parse_rejects_unknown_names_listing_valid_ones(bad):
+    with pytest.raises(ValueError) as info:
+        Priority.parse(bad)
+    for name in ("CRITICAL", "HIGH", "NORMAL", "LOW", "BACKGROUND"):
+        assert name in str(info.value)
+
+
+def test_enums_are_strings_and_print_as_symbols():
+    assert isinstance(Priority.HIGH, str)
+    assert Priority.HIGH == "HIGH"
+    assert str(Priority.HIGH) == "HIGH"
+    assert f"{Status.EXPIRED}" == "EXPIRED"
+    assert f"{TaskTier.ASYNC:>6}" == " ASYNC"
+    assert json.dumps({"p": Priority.LOW}) == '{"p": "LOW"}'
+
+
+# -- Request -------------------------------------------------------------------
+
+
+def test_request_fields_mirror_schema_in_order():
+    names = [f.name for f in dataclasses.fields(Request)]
+    assert names == [f["name"] for f in _schema("llm_request")["fields"]]
+
+
+def test_response_fields_mirror_schema_in_order():
+    names = [f.name for f in dataclasses.fields(Response)]
+    assert names == [f["name"] for f in _schema("llm_response")["fields"]]
+
+
+def test_dataclasses_use_slots():
+    req = Request.new("t", "p")
+    with pytest.raises(AttributeError):
+        req.not_a_field = 1  # type: ignore[attr-defined]
+    assert not hasattr(req, "__dict__")
+
+
+def test_request_new_fills_id_timestamp_and_defaults():
+    before = now_ms()
+    req = Request.new("tenant", "hello")
+    after = now_ms()
+    assert uuid.UUID(req.request_id).version == 4
+    assert before <= req.created_at <= after
+    assert isinstance(req.created_at, int)
+    assert req.priority is Priority.NORMAL
+    assert (req.model, req.max_tokens, req.timeout_ms) == ("sim-small", 256, 60_000)
+    assert (req.user_tier, req.task_tier, req.allow_degrade) == ("standard", TaskTier.ASYNC, False)
+    assert (req.notify_queued, req.trace_id, req.metadata) == (False, None, {})
+    assert req.deadline_ms == req.created_at + 60_000
+
+
+def test_request_new_takes_optional_fields_and_names():
+    req = Request.new(
+        "tenant",
+        "hello",
+        priority="critical",
+        max_tokens=5,
+        task_tier="background",
+        trace_id="tr",
+        metadata={"a": "b"},
+        request_id="fixed",
+        created_at=42,
+    )
+    assert req.priority is Priority.CRITICAL
+    assert req.task_tier is TaskTier.BACKGROUND
+    assert (req.request_id, req.created_at, req.trace_id, req.metadata) == ("fixed", 42, "tr", {"a": "b"})
+
+
+def test_request_new_rejects_unknown_fields_and_priorities():
+    with pytest.raises(TypeError):
+        Request.new("t", "p", colour="red")
+    with pytest.raises(ValueError):
+        Request.new("t", "p", priority="urgent")
+
+
+def test_request_ids_are_unique():
+    assert len({Request.new("t", "p").request_id for _ in range(1000)}) == 1000
+
+
+def test_metadata_default_is_not_shared():
+    a, b = Request.new("t", "p"), Request.new("t", "p")
+    a.metadata["x"] = "y"
+    assert b.metadata == {}
+
+
+def test_request_record_round_trip_and_plain_symbols():
+    req = Request.new("t", "p", priority=Priority.LOW, task_tier=TaskTier.REALTIME, trace_id="x")
+    rec = req.to_record()
+    assert type(rec["priority"]) is str and rec["priority"] == "LOW"
+    assert type(rec["task_tier"]) is str and rec["task_tier"] == "REALTIME"
+    assert list(rec) == [f.name for f in dataclasses.fields(Request)]
+    assert Request.from_record(rec) == req
+
+
+def test_request_from_record_fills_absent_optional_fields():
+    rec = Request.new("t", "p").to_record()
+    for name in ("user_tier", "task_tier", "allow_degrade", "notify_queued", "trace_id", "metadata"):
+        del rec[name]
+    req = Request.from_record(rec)
+    assert (req.user_tier, req.task_tier, req.notify_queued, req.trace_id, req.metadata) == (
+        "standard",
+        TaskTier.ASYNC,
+        False,
+        None,
+        {},
+    )
+
+
+def test_request_from_record_errors():
+    rec = Request.new("t", "p").to_record()
+    with pytest.raises(ValueError, match="priority"):
+        Request.from_record({**rec, "priority": "URGENT"})
+    with pytest.raises(ValueError, match="task_tier"):
+        Request.from_record({**rec, "task_tier": ["not", "hashable"]})
+    del rec["prompt"]
+    with pytest.raises(KeyError):
+        Request.from_record(rec)
+
+
+# -- Response ------------------------------------------------------------------
+
+
+def test_response_for_request_copies_request_fields():
+    req = Request.new("tenant", "p", priority=Priority.HIGH, created_at=1000)
+    before = now_ms()
+    resp = Response.for_request(req, Status.COMPLETED, output="hi", completion_tokens=3)
+    assert resp.request_id == req.request_id
+    assert resp.tenant_id == "tenant"
+    assert resp.requested_priority is Priority.HIGH
+    assert resp.created_at == 1000
+    assert before <= resp.finished_at <= now_ms()
+    assert (resp.status, resp.output, resp.completion_tokens) == (Status.COMPLETED, "hi", 3)
+    assert resp.latency_ms == resp.finished_at - 1000
+
+
+def test_response_for_request_accepts_status_names_and_finished_at():
+    req = Request.new("t", "p")
+    resp = Response.for_request(req, "rejected", reason="rate_limited: slow down", finished_at=7)
+    assert resp.status is Status.REJECTED
+    assert resp.finished_at == 7
+
+
+def test_response_is_keyword_only():
+    with pytest.raises(TypeError):
+        Response("id", "t", Status.FAILED)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("served", [None, Priority.LOW])
+def test_response_record_round_trip(served):
+    req = Request.new("t", "p")
+    resp = Response.for_request(
+        req, Status.COMPLETED, served_priority=served, admitted_at=1, started_at=2, retry_after_ms=None
+    )
+    rec = resp.to_record()
+    assert rec["status"] == "COMPLETED" and type(rec["status"]) is str
+    assert type(rec["requested_priority"]) is str
+    assert rec["served_priority"] == (None if served is None else "LOW")
+    assert list(rec) == [f.name for f in dataclasses.fields(Response)]
+    assert Response.from_record(rec) == resp
+
+
+def test_response_from_record_rejects_unknown_symbols():
+    rec = Response.for_request(Request.new("t", "p"), Status.FAILED).to_record()
+    for name in ("status", "requested_priority", "served_priority"):
+        with pytest.raises(ValueError, match=name):
+            Response.from_record({**rec, name: "NOPE"})
+
+
+def test_now_ms_is_epoch_milliseconds():
+    assert abs(now_ms() - time.time() * 1000) < 1000
