@@ -26,7 +26,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from pipeline.config import Settings
 from pipeline.errors import DecodeError, KafkaOperationError, LlmqError, RequestTimeoutError
@@ -124,15 +124,26 @@ class _Engine:
         # which could skip a response that arrives in between.
         assignment = []
         for p in tmd.partitions:
-            try:
-                _, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            except KafkaException:
-                high = OFFSET_END
-            assignment.append(TopicPartition(topic, p, high))
+            assignment.append(TopicPartition(topic, p, self._high_watermark(consumer, topic, p)))
         consumer.assign(assignment)
         self._listener = threading.Thread(target=self._listen, args=(consumer,), name="llmq-client-listener",
                                           daemon=True)
         self._listener.start()
+
+    @staticmethod
+    def _high_watermark(consumer: Consumer, topic: str, partition: int, timeout: float = 30.0) -> int:
+        # A partition without a leader yet (topic just created, broker restarting) fails
+        # fast; retry rather than fall back to a lazily resolved end offset.
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=5)[1]
+            except KafkaException as exc:
+                if time.monotonic() > deadline:
+                    consumer.close()
+                    raise KafkaOperationError(f"read end offset of {topic}[{partition}]", str(exc.args[0]),
+                                              exc.args[0]) from exc
+                time.sleep(0.2)
 
     def _listen(self, consumer: Consumer) -> None:
         try:

@@ -147,6 +147,8 @@ class WorkerSettings:
     sim_ms_per_token: float = 0.0
     #: librdkafka max.poll.interval.ms for workers; the loop never blocks on the backend.
     max_poll_interval_ms: int = 300_000
+    #: How long a silent (crashed, frozen) worker keeps its partitions before the group moves them.
+    session_timeout_ms: int = 45_000
 
 
 @dataclass
@@ -233,7 +235,8 @@ class Settings:
             raise ConfigError("serde.wire_format", "must be 'single-object' or 'confluent'")
         if self.serde.wire_format == "confluent" and not self.serde.registry_url:
             raise ConfigError("serde.registry_url", "required when serde.wire_format = 'confluent'")
-        for key in ("max_inflight", "batch_size", "commit_interval_ms", "idle_poll_ms", "max_poll_interval_ms"):
+        for key in ("max_inflight", "batch_size", "commit_interval_ms", "idle_poll_ms", "max_poll_interval_ms",
+                    "session_timeout_ms"):
             positive(f"worker.{key}", getattr(self.worker, key))
         for key in ("shutdown_grace_s", "sim_latency_ms", "sim_ms_per_token"):
             non_negative(f"worker.{key}", getattr(self.worker, key))

@@ -107,6 +107,7 @@ class Worker:
             cfg.group_id,
             **{"client.id": f"llmq-worker-{self.worker_id}",
                "max.poll.interval.ms": cfg.max_poll_interval_ms,
+               "session.timeout.ms": cfg.session_timeout_ms,
                "on_commit": self._on_commit},
             **self._consumer_overrides))
         self.consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke,

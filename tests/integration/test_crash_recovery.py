@@ -20,7 +20,9 @@ def _worker(settings, *extra: str) -> subprocess.Popen:
            "LLMQ_BOOTSTRAP": settings.kafka.bootstrap,
            "LLMQ_TOPICS__PREFIX": settings.topics.prefix,
            "LLMQ_WORKER__GROUP_ID": settings.worker.group_id,
-           "LLMQ_WORKER__COMMIT_INTERVAL_MS": "200"}
+           "LLMQ_WORKER__COMMIT_INTERVAL_MS": "200",
+           # the killed worker's partitions move after this, not after the 45 s default
+           "LLMQ_WORKER__SESSION_TIMEOUT_MS": "6000"}
     return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "WARNING", "worker", *extra],
                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
