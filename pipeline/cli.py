@@ -102,8 +102,7 @@ def cmd_worker(args) -> int:
     settings.validate()
     backend = SimulatedBackend(w.sim_latency_ms, w.sim_ms_per_token)
     topics = args.topics.split(",") if args.topics else None
-    stats = Worker(settings, backend, topics=topics).run()
-    print(json.dumps({k: v for k, v in vars(stats).items() if not k.endswith("_at")}), file=sys.stderr)
+    Worker(settings, backend, topics=topics).run()
     return 0
 
 
@@ -136,7 +135,7 @@ def cmd_demo(args) -> int:
     from pipeline.demo import run_demo
 
     return run_demo(_settings(args), requests=args.requests, workers=args.workers,
-                    sim_latency_ms=args.sim_latency_ms, keep_broker=args.keep_broker)
+                    sim_latency_ms=args.sim_latency_ms, keep_broker=args.keep_broker, rate=args.rate)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--sim-latency-ms", type=float, default=20.0)
+    p.add_argument("--rate", type=float, default=400.0, help="requests per second submitted")
     p.add_argument("--keep-broker", action="store_true", help="leave a broker the demo started running")
     p.set_defaults(func=cmd_demo)
     return parser

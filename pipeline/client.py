@@ -148,7 +148,12 @@ class _Engine:
     def _listen(self, consumer: Consumer) -> None:
         try:
             while not self._closed.is_set():
-                for msg in consumer.consume(500, 0.1):
+                # consume(n, timeout) waits for n messages or the timeout, whichever is
+                # first; poll() returns at the first one, then take whatever else is ready.
+                first = consumer.poll(0.1)
+                if first is None:
+                    continue
+                for msg in [first, *consumer.consume(499, 0)]:
                     if msg.error() is not None or msg.value() is None:
                         continue
                     try:
@@ -218,6 +223,17 @@ class LlmqClient:
         if track:
             self._engine.expect(request.request_id)
         return self._engine.submit_future(request)
+
+    def response_future(self, request_id: str) -> Future:
+        """A future resolved with the response to ``request_id`` (for callbacks, many at once).
+
+        Register it before submitting; call :meth:`result` or :meth:`forget` when done.
+        """
+        return self._engine.expect(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Stop holding the response to ``request_id``."""
+        self._engine.forget(request_id)
 
     def result(self, request_id: str, timeout: float = 60.0) -> Response:
         """Wait for the response to ``request_id``."""

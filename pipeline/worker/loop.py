@@ -71,6 +71,7 @@ class Worker:
         self.responses_topic = settings.topics.responses
         self.dlq_topic = settings.topics.dlq
         self.stats = WorkerStats()
+        self._slot_free = asyncio.Event()
         self.tracker = OffsetTracker()
         self._consumer_overrides = consumer_overrides or {}
         self._producer_overrides = producer_overrides or {}
@@ -125,21 +126,42 @@ class Worker:
         consumer, producer, cfg = self.consumer, self.producer, self.cfg
         idle_s = cfg.idle_poll_ms / 1000.0
         commit_every = cfg.commit_interval_ms / 1000.0
+        # While every slot is busy the loop takes no messages, but it must still call
+        # consume() now and then: that serves rebalances and resets max.poll.interval.ms.
+        keepalive_s = min(1.0, cfg.max_poll_interval_ms / 3000.0)
         batch = cfg.batch_size
         handle = self._handle
+        last_poll = time.monotonic()
         while not self._stop.is_set() and self._fatal is None:
             room = cfg.max_inflight - len(self._tasks)
-            self._apply_flow_control(room > 0)
-            msgs = consumer.consume(min(batch, max(room, 1)), 0)
+            now = time.monotonic()
+            if room > 0:
+                # Take only what fits: the rest stays prefetched in librdkafka's queue.
+                # (Pausing for flow control would purge that queue and cost a refetch.)
+                self._apply_flow_control(True)
+                msgs = consumer.consume(min(batch, room), 0)
+                last_poll = now
+            elif now - last_poll >= keepalive_s:
+                self._apply_flow_control(False)
+                msgs = consumer.consume(1, 0)  # partitions paused: only events, no work
+                last_poll = now
+            else:
+                msgs = ()
             if self._assignment_changed:
                 self._assignment_changed = False
-                self._apply_flow_control(room > 0, force=True)
+                self._apply_flow_control(not self._paused, force=True)
             for msg in msgs:
                 handle(msg)
             producer.poll(0)
-            if time.monotonic() - self._last_commit >= commit_every:
+            if now - self._last_commit >= commit_every:
                 self._commit(asynchronous=True)
-            if not msgs:
+            if room <= 0:
+                self._slot_free.clear()
+                try:
+                    await asyncio.wait_for(self._slot_free.wait(), idle_s)
+                except asyncio.TimeoutError:
+                    pass
+            elif not msgs:
                 await asyncio.sleep(idle_s)
             elif self._tasks:
                 await asyncio.sleep(0)
@@ -219,6 +241,7 @@ class Worker:
             self._respond_completed(tp, offset, request, started, completion)
         finally:
             self._tasks.pop((tp, offset), None)
+            self._slot_free.set()
 
     def _respond_completed(self, tp, offset: int, request: Request, started: int, c: Completion) -> None:
         self.stats.completed += 1
@@ -283,8 +306,14 @@ class Worker:
         self.stats.commits += 1
 
     def _on_commit(self, err, partitions) -> None:
-        if err is not None and err.code() != KafkaError._NO_OFFSET:
-            log.warning("asynchronous commit failed: %s", err)
+        if err is None or err.code() == KafkaError._NO_OFFSET:
+            return
+        # Retried at the next commit interval (or at revoke/shutdown); failures during a
+        # rebalance are routine, anything else deserves a warning.
+        self.tracker.commit_failed([((p.topic, p.partition), p.offset) for p in partitions])
+        routine = err.code() in (KafkaError.REBALANCE_IN_PROGRESS, KafkaError.ILLEGAL_GENERATION,
+                                 KafkaError.UNKNOWN_MEMBER_ID)
+        log.log(logging.INFO if routine else logging.WARNING, "asynchronous commit failed, will retry: %s", err)
 
     def _on_assign(self, consumer, partitions) -> None:
         self.stats.rebalances += 1

@@ -71,6 +71,13 @@ class OffsetTracker:
             if part is not None:
                 part.committed = pos
 
+    def commit_failed(self, positions: list[tuple[TopicPartitionKey, int]]) -> None:
+        """An asynchronous commit did not take: report these positions again next time."""
+        for tp, pos in positions:
+            part = self._partitions.get(tp)
+            if part is not None and part.committed == pos:
+                part.committed = None
+
     def forget(self, tp: TopicPartitionKey) -> None:
         self._partitions.pop(tp, None)
 

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import zlib
 
 from pipeline.models import Request
 from pipeline.worker.backends.base import Completion, estimate_tokens
 
 _WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
           "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa")
+_VARIANTS = 256
+
+
+def _sentence_prefixes(seed: int, length: int) -> tuple[str, ...]:
+    words = [_WORDS[(seed * 7 + i * 13 + (seed >> 3) * i) % len(_WORDS)] for i in range(length)]
+    return tuple(" ".join(words[:n]) for n in range(length + 1))
 
 
 class SimulatedBackend:
@@ -25,12 +31,18 @@ class SimulatedBackend:
         self.latency_ms = latency_ms
         self.ms_per_token = ms_per_token
         self.max_output_tokens = max_output_tokens
+        # Answers are precomputed word sequences picked by a checksum of the request:
+        # deterministic across processes, and cheap enough not to distort benchmarks.
+        self._answers = [_sentence_prefixes(i, max_output_tokens) for i in range(_VARIANTS)]
 
     def _answer(self, request: Request) -> Completion:
-        n = max(1, min(request.max_tokens, self.max_output_tokens))
-        digest = hashlib.blake2b(f"{request.model}\0{request.prompt}".encode(), digest_size=16).digest()
-        words = [_WORDS[digest[i % 16] % len(_WORDS)] for i in range(n)]
-        return Completion(" ".join(words), estimate_tokens(request.prompt), n, request.model)
+        n = request.max_tokens
+        if n > self.max_output_tokens:
+            n = self.max_output_tokens
+        elif n < 1:
+            n = 1
+        variant = zlib.crc32(request.prompt.encode(), zlib.crc32(request.model.encode())) % _VARIANTS
+        return Completion(self._answers[variant][n], estimate_tokens(request.prompt), n, request.model)
 
     def delay_s(self, request: Request) -> float:
         n = max(1, min(request.max_tokens, self.max_output_tokens))

@@ -63,3 +63,13 @@ def test_partitions_are_independent_and_only_filter_limits_the_report():
     t.finished(other, 7)
     assert t.to_commit() == [(other, 8)]
     assert t.to_commit(only={TP}) == []
+
+
+def test_a_failed_asynchronous_commit_is_reported_again():
+    t = OffsetTracker()
+    t.started(TP, 0)
+    t.finished(TP, 0)
+    positions = t.to_commit()
+    t.mark_committed(positions)
+    t.commit_failed(positions)
+    assert t.to_commit() == [(TP, 1)]
