@@ -209,7 +209,8 @@ class Worker:
             self.stats.expired += 1
             self._respond(tp, offset, Response.for_request(
                 request, Status.EXPIRED, reason="deadline_passed: the request's timeout ran out before a worker "
-                                                "took it", worker_id=self.worker_id, started_at=started))
+                                                "took it", worker_id=self.worker_id, started_at=started,
+                metadata=_trace(request)))
             return
         completion = self.backend.complete_now(request)
         if completion is not None:
@@ -229,14 +230,14 @@ class Worker:
             self.stats.failed += 1
             self._respond(tp, offset, Response.for_request(
                 request, Status.FAILED, reason=f"backend_error: {exc}", worker_id=self.worker_id,
-                started_at=started, served_priority=request.priority, model=request.model))
+                started_at=started, served_priority=request.priority, model=request.model, metadata=_trace(request)))
         except Exception as exc:  # a backend bug must not lose the request
             log.exception("backend %s crashed on request %s", self.backend.name, request.request_id)
             self.stats.failed += 1
             self._respond(tp, offset, Response.for_request(
                 request, Status.FAILED, reason=f"backend_error: {type(exc).__name__}: {exc}",
                 worker_id=self.worker_id, started_at=started, served_priority=request.priority,
-                model=request.model))
+                model=request.model, metadata=_trace(request)))
         else:
             self._respond_completed(tp, offset, request, started, completion)
         finally:
@@ -245,10 +246,13 @@ class Worker:
 
     def _respond_completed(self, tp, offset: int, request: Request, started: int, c: Completion) -> None:
         self.stats.completed += 1
-        self._respond(tp, offset, Response.for_request(
-            request, Status.COMPLETED, output=c.output, prompt_tokens=c.prompt_tokens,
-            completion_tokens=c.completion_tokens, model=c.model, served_priority=request.priority,
-            started_at=started, worker_id=self.worker_id))
+        # Built directly rather than through Response.for_request: this runs per message.
+        self._respond(tp, offset, Response(
+            request_id=request.request_id, tenant_id=request.tenant_id, status=Status.COMPLETED,
+            output=c.output, prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens, model=c.model,
+            requested_priority=request.priority, served_priority=request.priority, created_at=request.created_at,
+            started_at=started, finished_at=_now_ms(), worker_id=self.worker_id,
+            metadata={"trace_id": request.trace_id} if request.trace_id else {}))
 
     def _respond(self, tp, offset: int, response: Response) -> None:
         value = self.codec.encode_response(response)
@@ -382,6 +386,10 @@ class Worker:
             self.producer.flush(10)
             self.producer = None
         log.info("worker %s stopped: %s", self.worker_id, self.stats)
+
+
+def _trace(request: Request) -> dict[str, str]:
+    return {"trace_id": request.trace_id} if request.trace_id else {}
 
 
 def _fmt(partitions) -> str:

@@ -114,3 +114,10 @@ def test_expired_requests_are_answered_without_calling_the_model(settings):
     assert resp.status is Status.EXPIRED
     assert resp.reason.startswith("deadline_passed")
     assert resp.output is None
+
+
+def test_the_callers_trace_id_comes_back_in_response_metadata(settings):
+    with running_worker(settings), LlmqClient(settings) as client:
+        req = Request.new("tenant-traced", "follow me", trace_id="4bf92f3577b34da6a3ce929d0e0e4736")
+        resp = client.submit_and_wait(req, timeout=30)
+    assert resp.metadata.get("trace_id") == "4bf92f3577b34da6a3ce929d0e0e4736"
