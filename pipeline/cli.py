@@ -90,19 +90,23 @@ def cmd_topics(args) -> int:
 
 
 def cmd_worker(args) -> int:
+    from pipeline.observability.metrics import serve
     from pipeline.worker.backends.simulated import SimulatedBackend
     from pipeline.worker.loop import Worker
 
     settings = _settings(args)
     w = settings.worker
-    for name in ("sim_latency_ms", "sim_ms_per_token", "max_inflight", "group_id", "worker_id"):
+    for name in ("sim_latency_ms", "sim_ms_per_token", "max_inflight", "group_id", "worker_id", "metrics_port"):
         value = getattr(args, name)
         if value is not None:
             setattr(w, name, value)
     settings.validate()
     backend = SimulatedBackend(w.sim_latency_ms, w.sim_ms_per_token)
     topics = args.topics.split(",") if args.topics else None
-    Worker(settings, backend, topics=topics).run()
+    worker = Worker(settings, backend, topics=topics)
+    if serve(worker.metrics.registry, w.metrics_port, w.metrics_addr):
+        log.info("metrics on http://%s:%d/metrics", w.metrics_addr, w.metrics_port)
+    worker.run()
     return 0
 
 
@@ -172,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", dest="group_id", help="consumer group (default llmq-workers)")
     p.add_argument("--worker-id", help="identity written into responses (default host-pid)")
     p.add_argument("--topics", help="comma-separated topics to consume (default: the five request topics)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (0 = off)")
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("submit", help="submit one request and print its response")

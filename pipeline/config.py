@@ -130,6 +130,11 @@ class SerdeSettings:
 @dataclass
 class WorkerSettings:
     group_id: str = "llmq-workers"
+    #: Pool name, used as a metrics label (tiered pools come with priority-aware workers).
+    pool: str = "all"
+    #: Prometheus metrics on 127.0.0.1:<port>/metrics; 0 = off.
+    metrics_port: int = 0
+    metrics_addr: str = "127.0.0.1"
     #: Worker identity written into responses; empty = "<hostname>-<pid>".
     worker_id: str = ""
     #: Requests in flight to the backend at once, per worker process.

@@ -29,7 +29,9 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from pipeline.config import Settings
 from pipeline.dlq import dead_letter_headers
 from pipeline.errors import BackendError, DecodeError, KafkaOperationError
-from pipeline.models import Request, Response, Status
+from pipeline.models import Priority, Request, Response, Status
+from pipeline.observability.metrics import WorkerMetrics, reason_code
+from pipeline.policy.validation import validate_request
 from pipeline.serde import Codec
 from pipeline.worker.backends.base import Backend, Completion
 from pipeline.worker.offsets import OffsetTracker
@@ -49,6 +51,7 @@ class WorkerStats:
     completed: int = 0
     failed: int = 0
     expired: int = 0
+    rejected: int = 0
     dead_lettered: int = 0
     delivery_retries: int = 0
     commits: int = 0
@@ -61,7 +64,8 @@ class WorkerStats:
 class Worker:
     def __init__(self, settings: Settings, backend: Backend, *, topics: list[str] | None = None,
                  codec: Codec | None = None, worker_id: str | None = None,
-                 consumer_overrides: dict | None = None, producer_overrides: dict | None = None):
+                 consumer_overrides: dict | None = None, producer_overrides: dict | None = None,
+                 metrics: WorkerMetrics | None = None):
         self.settings = settings
         self.cfg = settings.worker
         self.backend = backend
@@ -71,6 +75,9 @@ class Worker:
         self.responses_topic = settings.topics.responses
         self.dlq_topic = settings.topics.dlq
         self.stats = WorkerStats()
+        self.metrics = metrics or WorkerMetrics(pool=self.cfg.pool)
+        # A dead letter has no decoded priority: its topic's band stands in.
+        self._topic_band = {settings.topics.request_topic(p): p.value for p in Priority}
         self._slot_free = asyncio.Event()
         self.tracker = OffsetTracker()
         self._consumer_overrides = consumer_overrides or {}
@@ -115,10 +122,13 @@ class Worker:
                                 on_lost=self._on_lost)
         log.info("worker %s consuming %s as group %s (backend %s, max in flight %d)",
                  self.worker_id, ", ".join(self.topics), cfg.group_id, self.backend.name, cfg.max_inflight)
+        up = self.metrics.up.labels(self.metrics.pool)
+        up.set(1)
         try:
             await self._consume_until_stopped()
             await self._drain(cfg.shutdown_grace_s)
         finally:
+            up.set(0)
             self._close()
             await self.backend.close()
 
@@ -205,13 +215,24 @@ class Worker:
             self._dead_letter(msg, tp, offset, exc.reason, str(exc))
             return
         started = _now_ms()
-        if request.timeout_ms <= 0 or request.created_at + request.timeout_ms <= started:
+        band = request.priority._value_
+        invalid = validate_request(request)
+        if invalid is not None:
+            self.stats.rejected += 1
+            self.metrics.outcome(band, "rejected")
+            self.metrics.rejections.labels(band, reason_code(invalid)).inc()
+            self._respond(tp, offset, Response.for_request(
+                request, Status.REJECTED, reason=invalid, worker_id=self.worker_id, metadata=_trace(request)))
+            return
+        if request.created_at + request.timeout_ms <= started:
             self.stats.expired += 1
+            self.metrics.outcome(band, "expired")
             self._respond(tp, offset, Response.for_request(
                 request, Status.EXPIRED, reason="deadline_passed: the request's timeout ran out before a worker "
                                                 "took it", worker_id=self.worker_id, started_at=started,
                 metadata=_trace(request)))
             return
+        self.metrics.waited(band, request.tenant_id, max(0, started - request.created_at) / 1000.0)
         completion = self.backend.complete_now(request)
         if completion is not None:
             self._respond_completed(tp, offset, request, started, completion)
@@ -220,6 +241,8 @@ class Worker:
                 self._call_backend(tp, offset, request, started))
 
     async def _call_backend(self, tp, offset: int, request: Request, started: int) -> None:
+        self.metrics.inflight_child.inc()
+        t0 = time.perf_counter()
         try:
             completion = await self.backend.complete(request)
         except asyncio.CancelledError:
@@ -228,24 +251,34 @@ class Worker:
             raise
         except BackendError as exc:
             self.stats.failed += 1
+            self.metrics.outcome(request.priority._value_, "failed")
             self._respond(tp, offset, Response.for_request(
                 request, Status.FAILED, reason=f"backend_error: {exc}", worker_id=self.worker_id,
                 started_at=started, served_priority=request.priority, model=request.model, metadata=_trace(request)))
         except Exception as exc:  # a backend bug must not lose the request
             log.exception("backend %s crashed on request %s", self.backend.name, request.request_id)
             self.stats.failed += 1
+            self.metrics.outcome(request.priority._value_, "failed")
             self._respond(tp, offset, Response.for_request(
                 request, Status.FAILED, reason=f"backend_error: {type(exc).__name__}: {exc}",
                 worker_id=self.worker_id, started_at=started, served_priority=request.priority,
                 model=request.model, metadata=_trace(request)))
         else:
-            self._respond_completed(tp, offset, request, started, completion)
+            self._respond_completed(tp, offset, request, started, completion, time.perf_counter() - t0)
         finally:
+            self.metrics.inflight_child.dec()
             self._tasks.pop((tp, offset), None)
             self._slot_free.set()
 
-    def _respond_completed(self, tp, offset: int, request: Request, started: int, c: Completion) -> None:
+    def _respond_completed(self, tp, offset: int, request: Request, started: int, c: Completion,
+                           seconds: float = 0.0) -> None:
         self.stats.completed += 1
+        band = request.priority._value_
+        m = self.metrics
+        m.outcome(band, "completed")
+        m.duration.labels(band, c.model).observe(seconds)
+        m.tokens.labels(band, "prompt").inc(c.prompt_tokens)
+        m.tokens.labels(band, "completion").inc(c.completion_tokens)
         # Built directly rather than through Response.for_request: this runs per message.
         self._respond(tp, offset, Response(
             request_id=request.request_id, tenant_id=request.tenant_id, status=Status.COMPLETED,
@@ -261,6 +294,8 @@ class Worker:
 
     def _dead_letter(self, msg, tp, offset: int, reason: str, error: str) -> None:
         self.stats.dead_lettered += 1
+        self.metrics.dead_letters.labels(reason).inc()
+        self.metrics.outcome(self._topic_band.get(tp[0], "UNKNOWN"), "dead_lettered")
         log.warning("dead-lettering %s[%d]@%d: %s", tp[0], tp[1], offset, error)
         headers = dead_letter_headers(tp[0], tp[1], offset, reason, error, "worker", msg.headers())
         self._produce(self.dlq_topic, msg.value(), msg.key(), headers, functools.partial(self._delivered, tp, offset))
@@ -308,9 +343,14 @@ class Worker:
             return
         self.tracker.mark_committed(positions)
         self.stats.commits += 1
+        if not asynchronous:
+            self.metrics.last_commit.labels(self.metrics.pool).set(time.time())
 
     def _on_commit(self, err, partitions) -> None:
-        if err is None or err.code() == KafkaError._NO_OFFSET:
+        if err is None:
+            self.metrics.last_commit.labels(self.metrics.pool).set(time.time())
+            return
+        if err.code() == KafkaError._NO_OFFSET:
             return
         # Retried at the next commit interval (or at revoke/shutdown); failures during a
         # rebalance are routine, anything else deserves a warning.
@@ -321,11 +361,13 @@ class Worker:
 
     def _on_assign(self, consumer, partitions) -> None:
         self.stats.rebalances += 1
+        self.metrics.rebalances.labels(self.metrics.pool).inc()
         self._assignment_changed = True
         log.info("assigned %s", _fmt(partitions))
 
     def _on_revoke(self, consumer, partitions) -> None:
         self.stats.rebalances += 1
+        self.metrics.rebalances.labels(self.metrics.pool).inc()
         self._assignment_changed = True
         revoked = {(p.topic, p.partition) for p in partitions}
         log.info("revoked %s", _fmt(partitions))

@@ -121,3 +121,19 @@ def test_the_callers_trace_id_comes_back_in_response_metadata(settings):
         req = Request.new("tenant-traced", "follow me", trace_id="4bf92f3577b34da6a3ce929d0e0e4736")
         resp = client.submit_and_wait(req, timeout=30)
     assert resp.metadata.get("trace_id") == "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def test_invalid_requests_are_rejected_with_a_reason_and_counted(settings):
+    with running_worker(settings) as worker, LlmqClient(settings) as client:
+        bad = Request.new("tenant-bad", "hello", max_tokens=0)
+        good = Request.new("tenant-good", "hello")
+        client.submit(bad)
+        client.submit(good)
+        bad_resp = client.result(bad.request_id, timeout=30)
+        assert client.result(good.request_id, timeout=30).status is Status.COMPLETED
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for m in worker.metrics.registry.collect() for s in m.samples}
+    assert bad_resp.status is Status.REJECTED
+    assert bad_resp.reason.startswith("invalid_request: max_tokens")
+    assert samples[("llmq_rejections_total", (("priority", "NORMAL"), ("reason", "invalid_request")))] == 1
+    assert samples[("llmq_requests_total", (("outcome", "completed"), ("priority", "NORMAL")))] == 1

@@ -1,0 +1,43 @@
+"""Request validation: pure, no I/O. Used by workers (gateway-less mode) and the gateway.
+
+Returns the rejection reason (``invalid_request: ...``) or None. Headers never reach
+this code: tenant and priority come only from the decoded, schema-checked body.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from pipeline.models import Request
+
+MAX_TENANT_ID_CHARS = 256
+MAX_TOKENS_LIMIT = 1_000_000
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def validate_request(req: Request) -> str | None:
+    tenant = req.tenant_id
+    if not tenant or not tenant.strip():
+        return "invalid_request: tenant_id is empty"
+    if len(tenant) > MAX_TENANT_ID_CHARS:
+        return f"invalid_request: tenant_id is longer than {MAX_TENANT_ID_CHARS} characters"
+    if _CONTROL.search(tenant):
+        return "invalid_request: tenant_id contains control characters"
+    if not req.prompt:
+        return "invalid_request: prompt is empty"
+    if req.max_tokens <= 0:
+        return f"invalid_request: max_tokens must be > 0 (got {req.max_tokens})"
+    if req.max_tokens > MAX_TOKENS_LIMIT:
+        return f"invalid_request: max_tokens must be <= {MAX_TOKENS_LIMIT} (got {req.max_tokens})"
+    if req.timeout_ms <= 0:
+        return f"invalid_request: timeout_ms must be > 0 (got {req.timeout_ms})"
+    if not req.model:
+        return "invalid_request: model is empty"
+    if len(req.request_id) != 36:
+        return "invalid_request: request_id must be a UUID"
+    try:
+        uuid.UUID(req.request_id)
+    except ValueError:
+        return "invalid_request: request_id must be a UUID"
+    return None
