@@ -142,6 +142,18 @@ def cmd_demo(args) -> int:
                     sim_latency_ms=args.sim_latency_ms, keep_broker=args.keep_broker, rate=args.rate)
 
 
+def cmd_lag(args) -> int:
+    from pipeline.observability.lag_cli import cmd_lag as run
+
+    return run(_settings(args), args.groups, args.json, args.watch, args.sample)
+
+
+def cmd_lag_exporter(args) -> int:
+    from pipeline.observability.lag_cli import cmd_lag_exporter as run
+
+    return run(_settings(args), args.groups, args.interval, args.metrics_port, args.metrics_addr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmq", description="llmq: a Kafka pipeline that queues and schedules LLM inference requests.",
@@ -189,6 +201,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="print the request id once acknowledged, don't wait")
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
     p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("lag", help="consumer lag per group/topic/partition, per-priority totals, time lag, ETA",
+                       description="Like kafka-consumer-groups --describe for llmq's groups, plus per-priority queue "
+                                   "depth, age of the oldest unconsumed request (exact, from message timestamps), "
+                                   "drain rate (committed offsets per second between two samples) and ETA.")
+    p.add_argument("--groups", default=r"^llmq-", help="regex of consumer groups to show (default ^llmq-)")
+    p.add_argument("--json", action="store_true", help="one JSON document per sample")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until interrupted")
+    p.add_argument("--sample", type=float, default=2.0, help="seconds between the two samples behind drain/ETA")
+    p.set_defaults(func=cmd_lag)
+
+    p = sub.add_parser("lag-exporter", help="export consumer lag under kafka_exporter's metric names",
+                       description="Serves kafka_consumergroup_lag & co. (kafka_exporter names, so Grafana dashboard "
+                                   "7589 and Strimzi rules work) plus llmq_queue_depth, llmq_oldest_request_age_seconds "
+                                   "and llmq_consumergroup_lag_seconds. Reads the admin API once per --interval, "
+                                   "whatever the scrape rate.")
+    p.add_argument("--groups", default=r"^llmq-", help="regex of consumer groups to export (default ^llmq-)")
+    p.add_argument("--interval", type=float, default=15.0, help="seconds between admin API reads (default 15)")
+    p.add_argument("--metrics-port", type=int, default=9102)
+    p.add_argument("--metrics-addr", default="127.0.0.1")
+    p.set_defaults(func=cmd_lag_exporter)
 
     p = sub.add_parser("demo", help="the end-to-end demo behind `make demo`",
                        description="Starts the local broker if none answers, creates topics, starts workers, "

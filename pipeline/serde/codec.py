@@ -49,6 +49,7 @@ from fastavro.validation import validate
 
 from pipeline.errors import DecodeError, EncodeError, SchemaNotFoundError
 from pipeline.models import Request, Response
+from pipeline.serde import fastpath
 from pipeline.serde.limits import SerdeLimits
 from pipeline.serde.registry import RegistryFormat
 from pipeline.serde.schema_store import ReadPlan, SchemaRevision, SchemaStore
@@ -272,7 +273,14 @@ class Codec:
     wire format. Instances are thread-safe.
     """
 
-    def __init__(self, store: SchemaStore, limits: SerdeLimits | None = None, registry: RegistryFormat | None = None):
+    def __init__(
+        self,
+        store: SchemaStore,
+        limits: SerdeLimits | None = None,
+        registry: RegistryFormat | None = None,
+        *,
+        fast: bool = True,
+    ):
         self.store = store
         self.limits = limits if limits is not None else SerdeLimits()
         self.registry = registry
@@ -297,6 +305,40 @@ class Codec:
         # (fingerprint bytes | schema id, store name) -> ReadPlan; only hits are cached.
         self._fp_plans: dict[tuple[bytes, str], ReadPlan] = {}
         self._id_plans: dict[tuple[int, str], ReadPlan] = {}
+        # Generated codecs of the current revisions (None: fastavro only). The
+        # single-object headers they serve are kept apart from the ones encoding uses,
+        # so that None here turns the decoders' fast check off.
+        self._fast_request = self._fast_response = None
+        if fast:
+            self._fast_request = self._compile_fast(self._request_rev, fastpath.REQUEST_BINDING, self._request_check)
+            self._fast_response = self._compile_fast(
+                self._response_rev, fastpath.RESPONSE_BINDING, self._response_check
+            )
+        self._fast_request_header = self._request_header if self._fast_request is not None else None
+        self._fast_response_header = self._response_header if self._fast_response is not None else None
+
+    @property
+    def fast(self) -> bool:
+        """True if both records of the current schemas use the generated fast path."""
+        return self._fast_request is not None and self._fast_response is not None
+
+    def _compile_fast(self, rev: SchemaRevision, binding: fastpath.ModelBinding, check: _Check):
+        limits = self.limits
+        strings = {name: limits.max_string_bytes for name in check.strings + check.optional_strings}
+        strings[check.big_field] = check.big_cap
+        caps = fastpath.FieldCaps(
+            max_record_bytes=limits.max_record_bytes,
+            strings=strings,
+            maps={"metadata": (limits.max_metadata_entries, "max_metadata_entries", limits.max_string_bytes)},
+        )
+
+        def late_check(obj: Any) -> tuple[str, str] | None:
+            return check.problem(obj.to_record(), False)
+
+        try:
+            return fastpath.compile_codec(rev.parsed, binding, caps, late_check=late_check, source=rev.source)
+        except fastpath.UnsupportedSchema:
+            return None
 
     @classmethod
     def default(cls) -> Codec:
@@ -313,6 +355,12 @@ class Codec:
         """
         if not isinstance(req, Request):
             raise EncodeError(f"LLMRequest: encode_request needs a Request, got {type(req).__name__}")
+        fast = self._fast_request
+        if fast is not None and wire == "single-object":
+            data = fast.encode(req, self._request_header)
+            if data is not None:
+                return data
+            fast = None  # it bailed: fastavro explains (or accepts) the record
         try:
             rec = req.to_record()
         except AttributeError as exc:  # e.g. an enum field holding a plain string
@@ -321,12 +369,22 @@ class Codec:
             header = self._request_header
         else:
             header = self._registry_header(self._request_rev, wire, topic)
+            if fast is not None:
+                data = fast.encode(req, header)
+                if data is not None:
+                    return data
         return self._encode(rec, header, self._request_rev, self._request_check)
 
     def encode_response(self, resp: Response, wire: Wire = "single-object", topic: str | None = None) -> bytes:
         """Encode ``resp`` with the current response schema (see :meth:`encode_request`)."""
         if not isinstance(resp, Response):
             raise EncodeError(f"LLMResponse: encode_response needs a Response, got {type(resp).__name__}")
+        fast = self._fast_response
+        if fast is not None and wire == "single-object":
+            data = fast.encode(resp, self._response_header)
+            if data is not None:
+                return data
+            fast = None
         try:
             rec = resp.to_record()
         except AttributeError as exc:  # e.g. an enum field holding a plain string
@@ -335,6 +393,10 @@ class Codec:
             header = self._response_header
         else:
             header = self._registry_header(self._response_rev, wire, topic)
+            if fast is not None:
+                data = fast.encode(resp, header)
+                if data is not None:
+                    return data
         return self._encode(rec, header, self._response_rev, self._response_check)
 
     def _registry_header(self, rev: SchemaRevision, wire: str, topic: str | None) -> bytes:
@@ -381,7 +443,13 @@ class Codec:
 
     def decode_request(self, data: bytes) -> Request:
         """Decode a request in either wire format. Raises :class:`DecodeError`."""
-        rec = self._decode(data, REQUEST_SCHEMA)
+        # The hot path: single-object encoded with the current schema.
+        if type(data) is bytes and data[:10] == self._fast_request_header:
+            return self._fast_request.decode(data, _SINGLE_OBJECT_HEADER_LEN)
+        data, plan, offset = self._frame(data, REQUEST_SCHEMA)
+        if plan.reader is None and self._fast_request is not None:  # e.g. confluent, same schema
+            return self._fast_request.decode(data, offset)
+        rec = self._read(data, plan, offset)
         problem = self._request_check.problem(rec, False)
         if problem is not None:
             raise DecodeError(*problem)
@@ -392,7 +460,12 @@ class Codec:
 
     def decode_response(self, data: bytes) -> Response:
         """Decode a response in either wire format. Raises :class:`DecodeError`."""
-        rec = self._decode(data, RESPONSE_SCHEMA)
+        if type(data) is bytes and data[:10] == self._fast_response_header:
+            return self._fast_response.decode(data, _SINGLE_OBJECT_HEADER_LEN)
+        data, plan, offset = self._frame(data, RESPONSE_SCHEMA)
+        if plan.reader is None and self._fast_response is not None:
+            return self._fast_response.decode(data, offset)
+        rec = self._read(data, plan, offset)
         problem = self._response_check.problem(rec, False)
         if problem is not None:
             raise DecodeError(*problem)
@@ -410,7 +483,8 @@ class Codec:
             return "confluent"
         return "unknown"
 
-    def _decode(self, data: Any, name: str) -> dict:
+    def _frame(self, data: Any, name: str) -> tuple[bytes, ReadPlan, int]:
+        """Check size and header: ``(data as bytes, read plan, offset of the body)``."""
         if type(data) is not bytes:
             if isinstance(data, (bytes, bytearray, memoryview)):
                 data = bytes(data)
@@ -442,7 +516,12 @@ class Codec:
             offset = _CONFLUENT_HEADER_LEN
         else:
             raise DecodeError("bad_magic", f"message starts with {data[:2].hex()}, not c301 or 00")
+        return data, plan, offset
 
+    @staticmethod
+    def _read(data: bytes, plan: ReadPlan, offset: int) -> dict:
+        """The body at ``data[offset:]`` read with fastavro, resolved per ``plan``."""
+        size = len(data)
         stream = BytesIO(data)
         stream.seek(offset)
         try:

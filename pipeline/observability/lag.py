@@ -1,0 +1,312 @@
+"""Consumer lag of llmq's groups: read with the admin API, exported under kafka_exporter's names.
+
+One refresh = one set of admin round trips: list groups, describe them, their committed
+offsets (one request per group: librdkafka's API takes one group per call), the log-end
+offsets of every partition involved (one batched ListOffsets), and for partitions that
+lag, the timestamp of the oldest unconsumed message (one fetch). A background thread
+refreshes every ``interval``; scrapes only read the cached snapshot, so the broker sees
+the same load whatever the scrape rate, and a scrape answers in milliseconds.
+
+Differences from kafka_exporter, on purpose: lag is clamped at ≥ 0 (end offsets are read
+*after* committed offsets, so a commit racing the read cannot make it negative); a
+partition with data but no committed offset is counted in
+``llmq_consumergroup_uncommitted_partitions`` instead of reporting -1; groups without
+members keep reporting; time lag is exact, from message timestamps, not interpolated.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pipeline.config import Settings
+from pipeline.errors import KafkaOperationError
+from pipeline.models import Priority
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PartitionLag:
+    group: str
+    topic: str
+    partition: int
+    committed: int | None  # None: the group never committed here
+    end: int
+    lag: int
+    oldest_timestamp_ms: int | None = None  # timestamp of the first unconsumed message
+
+    def time_lag_s(self, now_ms: int) -> float:
+        if self.lag == 0 or self.oldest_timestamp_ms is None:
+            return 0.0
+        return max(0.0, (now_ms - self.oldest_timestamp_ms) / 1000.0)
+
+
+@dataclass
+class GroupInfo:
+    name: str
+    state: str
+    members: int
+    #: topic → number of members assigned at least one of its partitions
+    topic_members: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class LagSnapshot:
+    taken_at_ms: int
+    duration_s: float
+    groups: dict[str, GroupInfo]
+    partitions: list[PartitionLag]
+    end_offsets: dict[tuple[str, int], int]
+
+    def by_band(self, settings: Settings) -> dict[Priority, dict]:
+        """Per priority: unconsumed requests, oldest age, consumers (max over llmq's groups)."""
+        out = {}
+        for band in Priority:
+            topics = band_topics(settings, band)
+            per_group: dict[str, int] = {}
+            oldest = 0.0
+            for p in self.partitions:
+                if p.topic in topics:
+                    per_group[p.group] = per_group.get(p.group, 0) + p.lag
+                    oldest = max(oldest, p.time_lag_s(self.taken_at_ms))
+            consumers = sum(g.topic_members.get(t, 0) for g in self.groups.values() for t in topics)
+            out[band] = {"depth": max(per_group.values(), default=0), "oldest_age_s": oldest,
+                         "consumers": consumers}
+        return out
+
+
+def band_topics(settings: Settings, band: Priority) -> set[str]:
+    # Dispatch topics arrive with the gateway; counting them now keeps dashboards stable.
+    return {settings.topics.request_topic(band), f"{settings.topics.prefix}.dispatch.{band.value.lower()}"}
+
+
+class LagReader:
+    def __init__(self, settings: Settings, group_pattern: str = r"^llmq-", time_lag: bool = True,
+                 request_timeout: float = 10.0):
+        self.settings = settings
+        self.pattern = re.compile(group_pattern)
+        self.time_lag = time_lag
+        self.request_timeout = request_timeout
+        self.admin = AdminClient(settings.kafka.admin_config())
+        self.round_trips = 0  # admin/fetch requests issued (tests check the cache holds this down)
+
+    def _groups(self) -> list[str]:
+        self.round_trips += 1
+        result = self.admin.list_consumer_groups(request_timeout=self.request_timeout).result()
+        return sorted(g.group_id for g in result.valid
+                      if self.pattern.search(g.group_id) or g.group_id == self.settings.worker.group_id)
+
+    def snapshot(self) -> LagSnapshot:
+        started = time.perf_counter()
+        try:
+            names = self._groups()
+            groups = self._describe(names)
+            committed = self._committed(names)
+            self._add_uncommitted(committed, groups)
+            end = self._end_offsets({(t, p) for (_, t, p) in committed})
+        except KafkaException as exc:
+            err = exc.args[0]
+            raise KafkaOperationError("read consumer lag", str(err), err if hasattr(err, "retriable") else None) from exc
+        partitions = []
+        for (group, topic, partition), offset in sorted(committed.items()):
+            log_end = end.get((topic, partition), 0)
+            # A group may have committed past a truncated log; lag never goes below zero.
+            lag = max(0, log_end - offset) if offset is not None else max(0, log_end)
+            partitions.append(PartitionLag(group, topic, partition, offset, log_end, lag))
+        if self.time_lag:
+            self._oldest_timestamps([p for p in partitions if p.lag > 0])
+        return LagSnapshot(int(time.time() * 1000), time.perf_counter() - started, groups, partitions, end)
+
+    def _describe(self, names: list[str]) -> dict[str, GroupInfo]:
+        if not names:
+            return {}
+        self.round_trips += 1
+        futures = self.admin.describe_consumer_groups(names, request_timeout=self.request_timeout)
+        out = {}
+        for name, fut in futures.items():
+            desc = fut.result()
+            topic_members: dict[str, int] = {}
+            for member in desc.members:
+                topics = {tp.topic for tp in (member.assignment.topic_partitions if member.assignment else [])}
+                for t in topics:
+                    topic_members[t] = topic_members.get(t, 0) + 1
+            out[name] = GroupInfo(name, str(desc.state).rsplit(".", 1)[-1], len(desc.members), topic_members)
+        return out
+
+    def _committed(self, names: list[str]) -> dict[tuple[str, str, int], int | None]:
+        out: dict[tuple[str, str, int], int | None] = {}
+        futures = []
+        for name in names:
+            self.round_trips += 1
+            futures.append(self.admin.list_consumer_group_offsets(
+                [ConsumerGroupTopicPartitions(name)], request_timeout=self.request_timeout))
+        for fmap in futures:
+            for name, fut in fmap.items():
+                for tp in fut.result().topic_partitions:
+                    out[(name, tp.topic, tp.partition)] = tp.offset if tp.offset >= 0 else None
+        return out
+
+    def _add_uncommitted(self, committed: dict, groups: dict[str, GroupInfo]) -> None:
+        """Partitions of a group's topics it never committed: all their data is lag."""
+        topics_of: dict[str, set[str]] = {}
+        for (g, t, _) in committed:
+            topics_of.setdefault(g, set()).add(t)
+        for g, info in groups.items():
+            topics_of.setdefault(g, set()).update(info.topic_members)
+        wanted = {t for ts in topics_of.values() for t in ts}
+        if not wanted:
+            return
+        self.round_trips += 1
+        md = self.admin.list_topics(timeout=self.request_timeout).topics
+        for g, ts in topics_of.items():
+            for t in ts:
+                tmd = md.get(t)
+                for p in (tmd.partitions if tmd is not None and tmd.error is None else ()):
+                    committed.setdefault((g, t, p), None)
+
+    def _end_offsets(self, tps: set[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        if not tps:
+            return {}
+        self.round_trips += 1
+        futures = self.admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in tps},
+                                          request_timeout=self.request_timeout)
+        return {(tp.topic, tp.partition): fut.result().offset for tp, fut in futures.items()}
+
+    def _oldest_timestamps(self, lagging: list[PartitionLag], timeout: float = 2.0) -> None:
+        if not lagging:
+            return
+        self.round_trips += 1
+        consumer = Consumer({**self.settings.kafka.consumer_config(f"llmq-lag-probe-{uuid.uuid4().hex[:8]}"),
+                             "enable.partition.eof": False, "fetch.wait.max.ms": 10})
+        try:
+            wanted = {(p.topic, p.partition): p for p in lagging}
+            consumer.assign([TopicPartition(p.topic, p.partition, p.committed if p.committed is not None else -2)
+                             for p in lagging])
+            deadline = time.monotonic() + timeout
+            while wanted and time.monotonic() < deadline:
+                for msg in consumer.consume(len(wanted), 0.1):
+                    if msg.error() is not None:
+                        continue
+                    p = wanted.pop((msg.topic(), msg.partition()), None)
+                    if p is not None:
+                        p.oldest_timestamp_ms = msg.timestamp()[1]
+                        # stop fetching this partition: one message each is all we need
+                        consumer.pause([TopicPartition(msg.topic(), msg.partition())])
+        finally:
+            consumer.close()
+
+
+class LagCollector:
+    """A prometheus_client collector serving the newest snapshot, refreshed in the background."""
+
+    def __init__(self, reader: LagReader, interval_s: float = 15.0):
+        self.reader = reader
+        self.interval_s = interval_s
+        self.snapshot: LagSnapshot | None = None
+        self.errors = 0
+        self.refreshes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+
+    def refresh(self) -> None:
+        try:
+            self.snapshot = self.reader.snapshot()
+            self.refreshes += 1
+        except Exception as exc:  # keep serving the last snapshot; count and log the failure
+            self.errors += 1
+            log.warning("lag refresh failed (serving the previous snapshot): %s", exc)
+        finally:
+            self._ready.set()
+
+    def start(self) -> "LagCollector":
+        def loop():
+            while not self._stop.is_set():
+                started = time.monotonic()
+                self.refresh()
+                self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+        self._thread = threading.Thread(target=loop, name="llmq-lag-refresh", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> bool:
+        return self._ready.wait(timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def collect(self):
+        snap = self.snapshot
+        settings = self.reader.settings
+        lag = GaugeMetricFamily("kafka_consumergroup_lag", "Unconsumed messages per partition (>= 0).",
+                                labels=["consumergroup", "topic", "partition"])
+        current = GaugeMetricFamily("kafka_consumergroup_current_offset", "Committed offset per partition.",
+                                    labels=["consumergroup", "topic", "partition"])
+        lag_sum = GaugeMetricFamily("kafka_consumergroup_lag_sum", "Unconsumed messages per group and topic.",
+                                    labels=["consumergroup", "topic"])
+        topic_offset = GaugeMetricFamily("kafka_topic_partition_current_offset", "Log-end offset per partition.",
+                                         labels=["topic", "partition"])
+        members = GaugeMetricFamily("kafka_consumergroup_members", "Members of each consumer group.",
+                                    labels=["consumergroup"])
+        uncommitted = GaugeMetricFamily("llmq_consumergroup_uncommitted_partitions",
+                                        "Partitions with data the group has never committed an offset for.",
+                                        labels=["consumergroup", "topic"])
+        lag_seconds = GaugeMetricFamily("llmq_consumergroup_lag_seconds",
+                                        "Age of the oldest unconsumed message (exact, from its timestamp).",
+                                        labels=["consumergroup", "topic"])
+        depth = GaugeMetricFamily("llmq_queue_depth", "Unconsumed requests per priority band.", labels=["priority"])
+        oldest = GaugeMetricFamily("llmq_oldest_request_age_seconds",
+                                   "Age of the oldest unconsumed request per priority band.", labels=["priority"])
+        consumers = GaugeMetricFamily("llmq_band_consumers", "Group members assigned a band's topics.",
+                                      labels=["priority"])
+        refresh = GaugeMetricFamily("llmq_lag_exporter_refresh_seconds", "Duration of the last lag refresh.")
+        errors = CounterMetricFamily("llmq_lag_exporter_errors", "Failed lag refreshes.")
+        errors.add_metric([], self.errors)
+        if snap is not None:
+            refresh.add_metric([], snap.duration_s)
+            sums: dict[tuple[str, str], int] = {}
+            never: dict[tuple[str, str], int] = {}
+            ages: dict[tuple[str, str], float] = {}
+            for p in snap.partitions:
+                labels = [p.group, p.topic, str(p.partition)]
+                lag.add_metric(labels, p.lag)
+                if p.committed is not None:
+                    current.add_metric(labels, p.committed)
+                elif p.end > 0:
+                    never[(p.group, p.topic)] = never.get((p.group, p.topic), 0) + 1
+                key = (p.group, p.topic)
+                sums[key] = sums.get(key, 0) + p.lag
+                ages[key] = max(ages.get(key, 0.0), p.time_lag_s(snap.taken_at_ms))
+            for (g, t), v in sums.items():
+                lag_sum.add_metric([g, t], v)
+                lag_seconds.add_metric([g, t], ages[(g, t)])
+                uncommitted.add_metric([g, t], never.get((g, t), 0))
+            for (t, p), v in sorted(snap.end_offsets.items()):
+                topic_offset.add_metric([t, str(p)], v)
+            for g in snap.groups.values():
+                members.add_metric([g.name], g.members)
+            for band, info in snap.by_band(settings).items():
+                depth.add_metric([band.value], info["depth"])
+                oldest.add_metric([band.value], info["oldest_age_s"])
+                consumers.add_metric([band.value], info["consumers"])
+        yield from (lag, current, lag_sum, topic_offset, members, uncommitted, lag_seconds, depth, oldest,
+                    consumers, refresh, errors)
+
+
+def build_registry(collector: LagCollector) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return registry
