@@ -218,29 +218,34 @@ class LagCollector:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self._families: tuple | None = None
 
-    def refresh(self) -> None:
+    def refresh(self) -> bool:
         try:
             self.snapshot = self.reader.snapshot()
             self.refreshes += 1
+            self._ready.set()
+            return True
         except Exception as exc:  # keep serving the last snapshot; count and log the failure
             self.errors += 1
             log.warning("lag refresh failed (serving the previous snapshot): %s", exc)
-        finally:
-            self._ready.set()
+            return False
 
     def start(self) -> "LagCollector":
         def loop():
             while not self._stop.is_set():
                 started = time.monotonic()
-                self.refresh()
-                self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+                ok = self.refresh()
+                # After a failure (leader moving, broker restarting) try again soon.
+                wait = self.interval_s if ok else min(self.interval_s, 2.0)
+                self._stop.wait(max(0.0, wait - (time.monotonic() - started)))
 
         self._thread = threading.Thread(target=loop, name="llmq-lag-refresh", daemon=True)
         self._thread.start()
         return self
 
     def wait_ready(self, timeout: float = 30.0) -> bool:
+        """Wait for the first successful snapshot."""
         return self._ready.wait(timeout)
 
     def stop(self) -> None:
@@ -249,7 +254,16 @@ class LagCollector:
             self._thread.join(10)
 
     def collect(self):
-        snap = self.snapshot
+        # Families are built once per snapshot, not once per scrape.
+        snap, errors = self.snapshot, self.errors
+        cached = self._families
+        if cached is not None and cached[0] is snap and cached[1] == errors:
+            return iter(cached[2])
+        families = list(self._build(snap))
+        self._families = (snap, errors, families)
+        return iter(families)
+
+    def _build(self, snap: LagSnapshot | None):
         settings = self.reader.settings
         lag = GaugeMetricFamily("kafka_consumergroup_lag", "Unconsumed messages per partition (>= 0).",
                                 labels=["consumergroup", "topic", "partition"])

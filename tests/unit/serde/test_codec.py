@@ -334,13 +334,16 @@ def test_bad_union_index(codec):
     assert _reason(info) == "invalid_field"
 
 
-def test_negative_enum_index_is_not_caught(codec):
-    """Documents a fastavro leniency: index -1 reads as the last symbol."""
+def test_negative_enum_index(codec, store):
+    """fastavro reads index -1 as the last symbol; the generated fast path refuses it."""
     data = codec.encode_request(minimal_request())
     prio_at = 10 + 1 + 36 + 1 + 1  # header, request_id, tenant "t"
     assert data[prio_at] == 4  # NORMAL = index 2
     forged = data[:prio_at] + zigzag(-1) + data[prio_at + 1 :]
-    assert codec.decode_request(forged).priority is Priority.BACKGROUND
+    assert Codec(store, fast=False).decode_request(forged).priority is Priority.BACKGROUND
+    with pytest.raises(DecodeError) as info:
+        codec.decode_request(forged)
+    assert _reason(info) == "invalid_field"
 
 
 def test_writer_symbol_unknown_to_reader(tmp_path):
