@@ -10,10 +10,11 @@ help:
 	@echo "make demo   - set up, start a local Kafka, run workers and a mixed load, print a summary"
 	@echo "make test   - set up, then the whole test suite (starts and stops its own broker)"
 	@echo "make bench  - set up, run the benchmark scenarios, write bench/results.json"
-	@echo "make setup  - create .venv, install llmq into it, fetch the Kafka jars (cached)"
+	@echo "make setup  - create .venv, install llmq into it, fetch the Kafka jars and promtool (cached)"
 
 setup: $(VENV)/.installed
 	@$(LLMQ) broker fetch
+	@bash deploy/tools/fetch-prometheus.sh > $(VENV)/.prometheus-bin
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,14 +25,17 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(LLMQ) demo
 
+# promtool and prometheus (Debian's package, unpacked into the cache) go first on PATH.
+WITH_PROM = PATH="$$(cat $(VENV)/.prometheus-bin):$$PATH"
+
 test: setup
-	$(BIN)/python -m pytest tests
+	$(WITH_PROM) $(BIN)/python -m pytest tests
 
 unit: setup
-	$(BIN)/python -m pytest tests/unit
+	$(WITH_PROM) $(BIN)/python -m pytest tests/unit
 
 integration: setup
-	$(BIN)/python -m pytest tests/integration
+	$(WITH_PROM) $(BIN)/python -m pytest tests/integration
 
 bench: setup
 	$(BIN)/python bench/run.py

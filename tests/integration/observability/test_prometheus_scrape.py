@@ -1,0 +1,129 @@
+"""A real Prometheus server scrapes a worker and the lag exporter while a load runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from pipeline.client import LlmqClient
+from pipeline.models import Priority, Request, Status
+from pipeline.observability.lag import LagCollector, LagReader, build_registry
+from pipeline.observability.metrics import serve
+from tests.integration.harness import free_port, running_worker
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    """Start Prometheus on a free loopback port; yields (start(targets) -> query function)."""
+    if PROMETHEUS is None:
+        pytest.fail("the prometheus binary is missing: `make setup` installs Debian's prometheus package")
+    procs = []
+
+    def start(targets: dict[str, int]):
+        port = free_port()
+        jobs = "\n".join(f"  - job_name: {job}\n    static_configs:\n      - targets: ['127.0.0.1:{p}']"
+                         for job, p in targets.items())
+        config = tmp_path / "prometheus.yml"
+        config.write_text(f"global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n{jobs}\n")
+        proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                 f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
+        procs.append(proc)
+        base = f"http://127.0.0.1:{port}"
+
+        def query(expr: str) -> list:
+            url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+            body = json.loads(urllib.request.urlopen(url, timeout=5).read())
+            assert body["status"] == "success", body
+            return body["data"]["result"]
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/-/ready", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise AssertionError((tmp_path / "prometheus.log").read_text()[-2000:])
+                time.sleep(0.2)
+        return query
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _scalar(result: list) -> float:
+    assert len(result) == 1, result
+    return float(result[0]["value"][1])
+
+
+def _eventually(fn, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return fn()
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def test_prometheus_sees_lag_waits_and_rejection_ratio_as_counted(settings, prometheus):
+    group = settings.worker.group_id
+    collector = LagCollector(LagReader(settings, group_pattern=f"^{group}$"), interval_s=1.0).start()
+    lag_port = free_port()
+    serve(build_registry(collector), lag_port)
+    statuses: dict[str, Status] = {}
+    with running_worker(settings) as worker:
+        worker_port = free_port()
+        serve(worker.metrics.registry, worker_port)
+        query = prometheus({"llmq-workers": worker_port, "llmq-lag-exporter": lag_port})
+        with LlmqClient(settings) as client:
+            reqs = []
+            for i in range(200):
+                req = Request.new(f"tenant-{i % 9}", f"load {i}", priority=list(Priority)[i % 5],
+                                  max_tokens=0 if i % 10 == 0 else 16)  # every tenth is invalid → REJECTED
+                reqs.append(req)
+                client.submit_nowait(req)
+            for req in reqs:
+                statuses[req.request_id] = client.result(req.request_id, timeout=30).status
+        rejected = sum(1 for s in statuses.values() if s is Status.REJECTED)
+        assert rejected == 20
+
+        def waits_and_ratio():
+            for band in Priority:
+                assert _scalar(query(f'sum(llmq_queue_wait_seconds_count{{priority="{band.value}"}})')) > 0, band
+            ratio = _scalar(query('sum(llmq_rejections_total) / sum(llmq_requests_total{outcome=~'
+                                  '"completed|rejected|expired|failed|cancelled"})'))
+            assert ratio == pytest.approx(rejected / len(statuses))
+
+        _eventually(waits_and_ratio)
+
+    # Workers stopped: new requests pile up as lag the group has not consumed.
+    with LlmqClient(settings, listen=False) as client:
+        for fut in [client.submit_nowait(Request.new("tenant-late", f"late {i}", priority=Priority.HIGH), track=False)
+                    for i in range(30)]:
+            fut.result(10)
+
+    def lag_matches_admin():
+        admin_lag = sum(p.lag for p in LagReader(settings, group_pattern=f"^{group}$").snapshot().partitions)
+        assert admin_lag == 30
+        assert _scalar(query(f'sum(kafka_consumergroup_lag_sum{{consumergroup="{group}"}})')) == admin_lag
+        assert _scalar(query('llmq_queue_depth{priority="HIGH"}')) == 30
+        assert _scalar(query('llmq_oldest_request_age_seconds{priority="HIGH"}')) >= 0
+        assert _scalar(query(f'kafka_consumergroup_members{{consumergroup="{group}"}}')) == 0
+
+    try:
+        _eventually(lag_matches_admin, timeout=30)
+    finally:
+        collector.stop()
