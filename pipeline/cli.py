@@ -96,7 +96,8 @@ def cmd_worker(args) -> int:
 
     settings = _settings(args)
     w = settings.worker
-    for name in ("sim_latency_ms", "sim_ms_per_token", "max_inflight", "group_id", "worker_id", "metrics_port"):
+    for name in ("sim_latency_ms", "sim_ms_per_token", "max_inflight", "group_id", "worker_id", "metrics_port",
+                 "metrics_addr"):
         value = getattr(args, name)
         if value is not None:
             setattr(w, name, value)
@@ -188,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", dest="group_id", help="consumer group (default llmq-workers)")
     p.add_argument("--worker-id", help="identity written into responses (default host-pid)")
     p.add_argument("--topics", help="comma-separated topics to consume (default: the five request topics)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (0 = off)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT (default 9101; 0 = off)")
+    p.add_argument("--metrics-addr", help="address to bind metrics to (default 127.0.0.1)")
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("submit", help="submit one request and print its response")

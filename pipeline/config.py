@@ -132,8 +132,8 @@ class WorkerSettings:
     group_id: str = "llmq-workers"
     #: Pool name, used as a metrics label (tiered pools come with priority-aware workers).
     pool: str = "all"
-    #: Prometheus metrics on 127.0.0.1:<port>/metrics; 0 = off.
-    metrics_port: int = 0
+    #: Prometheus metrics on metrics_addr:<port>/metrics; 0 = off.
+    metrics_port: int = 9101
     metrics_addr: str = "127.0.0.1"
     #: Worker identity written into responses; empty = "<hostname>-<pid>".
     worker_id: str = ""
@@ -247,6 +247,8 @@ class Settings:
             non_negative(f"worker.{key}", getattr(self.worker, key))
         if self.worker.backend not in ("simulated",):
             raise ConfigError("worker.backend", f"unknown backend {self.worker.backend!r} (known: simulated)")
+        if not 0 <= self.worker.metrics_port < 65536:
+            raise ConfigError("worker.metrics_port", f"must be a TCP port or 0 (off), got {self.worker.metrics_port}")
         if not 0 < self.broker.port < 65536:
             raise ConfigError("broker.port", f"must be a TCP port, got {self.broker.port}")
 

@@ -75,7 +75,8 @@ def run_demo(settings: Settings, requests: int = 2000, workers: int = 2, sim_lat
         for i in range(workers):
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "pipeline.cli", "--log-level", os.environ.get("LLMQ_DEMO_WORKER_LOG", "WARNING"), "worker",
-                 "--sim-latency-ms", str(sim_latency_ms), "--max-inflight", "16", "--worker-id", f"demo-worker-{i}"],
+                 "--sim-latency-ms", str(sim_latency_ms), "--max-inflight", "16", "--worker-id", f"demo-worker-{i}",
+                 "--metrics-port", "0"],
                 env=env, stdin=subprocess.DEVNULL))
         _wait_for_members(settings, settings.worker.group_id, workers)
         _say(f"{workers} workers joined group {settings.worker.group_id} (simulated model, {sim_latency_ms:g} ms "

@@ -17,6 +17,8 @@ from collections import Counter as _Counts
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import start_http_server
 
+from pipeline.errors import ConfigError
+
 # `x_created` series double every counter and histogram and no dashboard uses them.
 disable_created_metrics()
 
@@ -116,5 +118,9 @@ def serve(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1"):
     """Serve ``registry`` on http://addr:port/metrics in a daemon thread; port 0 = don't."""
     if not port:
         return None
-    server, thread = start_http_server(port, addr=addr, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        raise ConfigError("metrics_port", f"cannot serve metrics on {addr}:{port} ({exc.strerror}); "
+                                          "pick another --metrics-port, or 0 to turn metrics off") from None
     return server

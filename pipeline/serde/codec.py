@@ -316,6 +316,8 @@ class Codec:
             )
         self._fast_request_header = self._request_header if self._fast_request is not None else None
         self._fast_response_header = self._response_header if self._fast_response is not None else None
+        self._fast_request_decode = self._fast_request.decode if self._fast_request is not None else None
+        self._fast_response_decode = self._fast_response.decode if self._fast_response is not None else None
 
     @property
     def fast(self) -> bool:
@@ -445,7 +447,7 @@ class Codec:
         """Decode a request in either wire format. Raises :class:`DecodeError`."""
         # The hot path: single-object encoded with the current schema.
         if type(data) is bytes and data[:10] == self._fast_request_header:
-            return self._fast_request.decode(data, _SINGLE_OBJECT_HEADER_LEN)
+            return self._fast_request_decode(data, 10)
         data, plan, offset = self._frame(data, REQUEST_SCHEMA)
         if plan.reader is None and self._fast_request is not None:  # e.g. confluent, same schema
             return self._fast_request.decode(data, offset)
@@ -461,7 +463,7 @@ class Codec:
     def decode_response(self, data: bytes) -> Response:
         """Decode a response in either wire format. Raises :class:`DecodeError`."""
         if type(data) is bytes and data[:10] == self._fast_response_header:
-            return self._fast_response.decode(data, _SINGLE_OBJECT_HEADER_LEN)
+            return self._fast_response_decode(data, 10)
         data, plan, offset = self._frame(data, RESPONSE_SCHEMA)
         if plan.reader is None and self._fast_response is not None:
             return self._fast_response.decode(data, offset)

@@ -131,11 +131,11 @@ LateCheck = Callable[[Any], "tuple[str, str] | None"]
 # left), which the generated function turns into DecodeError("truncated").
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    """The zig-zag varint starting at ``data[pos]``: ``(value, next position)``.
+def _uvarint(data: bytes, pos: int) -> tuple[int, int]:
+    """The raw (unsigned) varint starting at ``data[pos]``: ``(n, next position)``.
 
-    At most 10 bytes, and the tenth may only carry bit 63, so every value is a
-    64-bit long.
+    At most 10 bytes, and the tenth may only carry bit 63, so ``n`` < 2**64 (the
+    zig-zag encoding of a 64-bit long).
     """
     start = pos
     b = data[pos]
@@ -153,6 +153,12 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
             break
         n |= (b & 0x7F) << shift
         shift += 7
+    return n, pos
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The zig-zag varint (an Avro long) at ``data[pos]``: ``(value, next position)``."""
+    n, pos = _uvarint(data, pos)
     return (n >> 1) ^ -(n & 1), pos
 
 
@@ -193,6 +199,11 @@ def _index(data: bytes, pos: int, count: int, kind: str, where: str) -> tuple[in
     if index >= count:
         raise DecodeError("invalid_field", f"{where}: {kind} index {index} out of range (0..{count - 1})")
     return index, end
+
+
+#: Length (or count) encoded by a single byte, or -1 if that byte does not encode a
+#: non-negative number on its own.
+_SHORT_LENGTH = tuple(-1 if b & 0x81 else b >> 1 for b in range(256))
 
 
 def _bad_boolean(where: str, byte: int) -> DecodeError:
@@ -420,11 +431,10 @@ def _decode_value(src: _Source, f: _Field, t: tuple, target: str, ind: int) -> N
     kind = t[0]
     where = repr(f.where)
     if kind == "string":
-        src.line(ind, "b = data[pos]")
-        src.line(ind, "if b & 0x81:")
+        src.line(ind, "n = _SHORT_LENGTH[data[pos]]")
+        src.line(ind, "if n < 0:")
         src.line(ind + 1, f"n, pos = _length(data, pos, {where})")
         src.line(ind, "else:")
-        src.line(ind + 1, "n = b >> 1")
         src.line(ind + 1, "pos += 1")
         src.line(ind, "end = pos + n")
         src.line(ind, "if end > size:")
@@ -435,12 +445,32 @@ def _decode_value(src: _Source, f: _Field, t: tuple, target: str, ind: int) -> N
             src.line(ind, f"if n > {f.cap}:")
             src.line(ind + 1, "late = 1")
     elif kind == "long":
+        # Unrolled up to 6 bytes (epoch milliseconds), with small-int arithmetic
+        # until the last step; anything longer goes to the general loop.
         src.line(ind, "b = data[pos]")
         src.line(ind, "if b < 0x80:")
         src.line(ind + 1, f"{target} = (b >> 1) ^ -(b & 1)")
         src.line(ind + 1, "pos += 1")
         src.line(ind, "else:")
-        src.line(ind + 1, f"{target}, pos = _varint(data, pos)")
+        src.line(ind + 1, "n = b & 0x7F")
+        depth = ind + 1
+        for k in range(1, 5):
+            src.line(depth, f"b = data[pos + {k}]")
+            src.line(depth, "if b < 0x80:")
+            src.line(depth + 1, f"n |= b << {7 * k}")
+            src.line(depth + 1, f"pos += {k + 1}")
+            src.line(depth, "else:")
+            depth += 1
+            if k < 4:
+                src.line(depth, f"n |= (b & 0x7F) << {7 * k}")
+        # bytes 5 and 6 are joined before the one shift past 30 bits
+        src.line(depth, "c = data[pos + 5]")
+        src.line(depth, "if c < 0x80:")
+        src.line(depth + 1, "n |= ((b & 0x7F) | (c << 7)) << 28")
+        src.line(depth + 1, "pos += 6")
+        src.line(depth, "else:")
+        src.line(depth + 1, "n, pos = _uvarint(data, pos)")
+        src.line(ind + 1, f"{target} = (n >> 1) ^ -(n & 1)")
     elif kind == "int":
         src.line(ind, "b = data[pos]")
         src.line(ind, "if b < 0x80:")
@@ -713,6 +743,8 @@ def compile_codec(
     helpers = {
         "DecodeError": DecodeError,
         "_varint": _varint,
+        "_uvarint": _uvarint,
+        "_SHORT_LENGTH": _SHORT_LENGTH,
         "_int": _int,
         "_length": _length,
         "_index": _index,

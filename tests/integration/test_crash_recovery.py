@@ -21,6 +21,7 @@ def _worker(settings, *extra: str) -> subprocess.Popen:
            "LLMQ_TOPICS__PREFIX": settings.topics.prefix,
            "LLMQ_WORKER__GROUP_ID": settings.worker.group_id,
            "LLMQ_WORKER__COMMIT_INTERVAL_MS": "200",
+           "LLMQ_WORKER__METRICS_PORT": "0",
            # the killed worker's partitions move after this, not after the 45 s default
            "LLMQ_WORKER__SESSION_TIMEOUT_MS": "6000"}
     return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "WARNING", "worker", *extra],
