@@ -5,16 +5,24 @@ Labels are bounded: priorities and outcomes are fixed sets, reasons are the shor
 before the first ``:`` of a response reason, and tenants appear only through
 :class:`TenantLabels` (an allow-list plus the top-N busiest, everything else ``other``).
 
+The worker observes several metrics per message, so the series here are plain Python
+numbers updated by the one thread that owns them, and exposed through a collector; the
+stock prometheus_client metric objects take a lock and resolve labels on every call,
+which cost more than decoding the message. Scrapes read the numbers without locking:
+each value is a single int/float read, atomic in CPython.
+
 The consumer-lag series use kafka_exporter's names, so existing dashboards (Grafana 7589)
 and alert rules (Strimzi) work unchanged; see :mod:`pipeline.observability.lag`.
 """
 
 from __future__ import annotations
 
-import threading
+import math
+from bisect import bisect_left
 from collections import Counter as _Counts
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import start_http_server
 
 from pipeline.errors import ConfigError
@@ -39,7 +47,10 @@ def reason_code(reason: str | None) -> str:
 
 
 class TenantLabels:
-    """Maps tenant ids to a bounded label set: allow-listed ones, else the top-N seen, else 'other'."""
+    """Maps tenant ids to a bounded label set: allow-listed ones, else the top-N seen, else 'other'.
+
+    Used by one thread (the worker loop), so it takes no lock.
+    """
 
     def __init__(self, allow: tuple[str, ...] | list[str] = (), top_n: int = 10):
         self.allow = frozenset(allow)
@@ -47,21 +58,118 @@ class TenantLabels:
         self._counts: _Counts[str] = _Counts()
         self._top: frozenset[str] = frozenset()
         self._seen = 0
-        self._lock = threading.Lock()
 
     def label(self, tenant: str) -> str:
         if tenant in self.allow:
             return tenant
         if self.top_n <= 0:
             return "other"
-        with self._lock:
-            self._counts[tenant] += 1
-            self._seen += 1
-            if self._seen % 1000 == 0 or len(self._top) < self.top_n:
-                self._top = frozenset(t for t, _ in self._counts.most_common(self.top_n))
-                if len(self._counts) > 100 * self.top_n:  # keep memory bounded under many tenants
-                    self._counts = _Counts(dict(self._counts.most_common(10 * self.top_n)))
-            return tenant if tenant in self._top else "other"
+        self._counts[tenant] += 1
+        self._seen += 1
+        top = self._top
+        if tenant not in top and len(top) < self.top_n:
+            top = self._top = top | {tenant}  # room left: no ranking needed yet
+        elif self._seen % 1000 == 0:
+            top = self._top = frozenset(t for t, _ in self._counts.most_common(self.top_n))
+            if len(self._counts) > 100 * self.top_n:  # bounded memory under very many tenants
+                self._counts = _Counts(dict(self._counts.most_common(10 * self.top_n)))
+        return tenant if tenant in top else "other"
+
+
+# -- lock-free series -------------------------------------------------------------------------
+
+
+class _Child:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+class _HistChild:
+    __slots__ = ("buckets", "counts", "sum")
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+
+class _Series:
+    kind = "counter"
+
+    def __init__(self, name: str, doc: str, labelnames: tuple[str, ...] | list[str] = (), buckets=()):
+        self.name, self.doc, self.labelnames = name, doc, tuple(labelnames)
+        self.bucket_bounds = tuple(buckets)
+        self.children: dict[tuple[str, ...], object] = {}
+
+    def labels(self, *values: str):
+        child = self.children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+            child = self.children[values] = (_HistChild(self.bucket_bounds) if self.kind == "histogram"
+                                              else _Child())
+        return child
+
+    def family(self):
+        items = list(self.children.items())
+        if self.kind == "counter":
+            fam = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
+            for labels, child in items:
+                fam.add_metric(list(labels), child.value)
+        elif self.kind == "gauge":
+            fam = GaugeMetricFamily(self.name, self.doc, labels=self.labelnames)
+            for labels, child in items:
+                fam.add_metric(list(labels), child.value)
+        else:
+            fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+            for labels, child in items:
+                counts = list(child.counts)
+                cumulative, running = [], 0
+                for bound, n in zip((*self.bucket_bounds, math.inf), counts):
+                    running += n
+                    cumulative.append((_fmt_bound(bound), running))
+                fam.add_metric(list(labels), cumulative, child.sum)
+        return fam
+
+
+class Counter(_Series):
+    kind = "counter"
+
+
+class Gauge(_Series):
+    kind = "gauge"
+
+
+class Histogram(_Series):
+    kind = "histogram"
+
+
+def _fmt_bound(bound: float) -> str:
+    return "+Inf" if bound == math.inf else repr(float(bound))
+
+
+class _Collector:
+    def __init__(self, series: list[_Series]):
+        self.series = series
+
+    def collect(self):
+        for s in self.series:
+            yield s.family()
 
 
 class WorkerMetrics:
@@ -72,45 +180,36 @@ class WorkerMetrics:
         self.registry = registry or CollectorRegistry()
         self.pool = pool
         self.tenants = tenants or TenantLabels()
-        r = self.registry
-        self.requests = Counter("llmq_requests", "Requests by priority and outcome.", ["priority", "outcome"],
-                                registry=r)
+        self.requests = Counter("llmq_requests", "Requests by priority and outcome.", ["priority", "outcome"])
         self.rejections = Counter("llmq_rejections", "Rejected requests by priority and reason.",
-                                  ["priority", "reason"], registry=r)
+                                  ["priority", "reason"])
         self.queue_wait = Histogram("llmq_queue_wait_seconds",
                                     "Time from a request's creation to the start of its processing.",
-                                    ["priority"], buckets=WAIT_BUCKETS, registry=r)
+                                    ["priority"], WAIT_BUCKETS)
         self.duration = Histogram("llmq_request_duration_seconds", "Time spent in the model backend.",
-                                  ["priority", "model"], buckets=DURATION_BUCKETS, registry=r)
+                                  ["priority", "model"], DURATION_BUCKETS)
         self.tenant_wait = Histogram("llmq_tenant_queue_wait_seconds",
                                      "Queue wait per tenant (allow-listed and top-N tenants; the rest as 'other').",
-                                     ["tenant"], buckets=WAIT_BUCKETS, registry=r)
-        self.inflight = Gauge("llmq_inflight_requests", "Requests being processed now.", ["pool"], registry=r)
-        self.tokens = Counter("llmq_tokens", "Tokens processed, by kind (prompt, completion).",
-                              ["priority", "kind"], registry=r)
+                                     ["tenant"], WAIT_BUCKETS)
+        self.inflight = Gauge("llmq_inflight_requests", "Requests being processed now.", ["pool"])
+        self.tokens = Counter("llmq_tokens", "Tokens processed, by kind (prompt, completion).", ["priority", "kind"])
         self.last_commit = Gauge("llmq_last_commit_timestamp_seconds",
-                                 "Unix time of the last successful offset commit.", ["pool"], registry=r)
-        self.rebalances = Counter("llmq_rebalances", "Partition assignments and revocations.", ["pool"],
-                                  registry=r)
+                                 "Unix time of the last successful offset commit.", ["pool"])
+        self.rebalances = Counter("llmq_rebalances", "Partition assignments and revocations.", ["pool"])
         self.dead_letters = Counter("llmq_dead_letters", "Messages sent to the dead-letter topic, by reason.",
-                                    ["reason"], registry=r)
-        self.up = Gauge("llmq_worker_up", "1 while the worker's consume loop runs.", ["pool"], registry=r)
-        # Bound children: label lookups are the expensive part of an observation.
-        self._requests = {}
-        self._waits = {}
+                                    ["reason"])
+        self.up = Gauge("llmq_worker_up", "1 while the worker's consume loop runs.", ["pool"])
+        self.registry.register(_Collector([
+            self.requests, self.rejections, self.queue_wait, self.duration, self.tenant_wait, self.inflight,
+            self.tokens, self.last_commit, self.rebalances, self.dead_letters, self.up]))
         self.inflight_child = self.inflight.labels(pool)
+        self.inflight_child.set(0)
 
     def outcome(self, priority: str, outcome: str) -> None:
-        child = self._requests.get((priority, outcome))
-        if child is None:
-            child = self._requests[(priority, outcome)] = self.requests.labels(priority, outcome)
-        child.inc()
+        self.requests.labels(priority, outcome).value += 1
 
     def waited(self, priority: str, tenant: str, seconds: float) -> None:
-        child = self._waits.get(priority)
-        if child is None:
-            child = self._waits[priority] = self.queue_wait.labels(priority)
-        child.observe(seconds)
+        self.queue_wait.labels(priority).observe(seconds)
         self.tenant_wait.labels(self.tenants.label(tenant)).observe(seconds)
 
 

@@ -7,13 +7,13 @@ this code: tenant and priority come only from the decoded, schema-checked body.
 from __future__ import annotations
 
 import re
-import uuid
 
 from pipeline.models import Request
 
 MAX_TENANT_ID_CHARS = 256
 MAX_TOKENS_LIMIT = 1_000_000
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
 
 def validate_request(req: Request) -> str | None:
@@ -34,10 +34,6 @@ def validate_request(req: Request) -> str | None:
         return f"invalid_request: timeout_ms must be > 0 (got {req.timeout_ms})"
     if not req.model:
         return "invalid_request: model is empty"
-    if len(req.request_id) != 36:
-        return "invalid_request: request_id must be a UUID"
-    try:
-        uuid.UUID(req.request_id)
-    except ValueError:
+    if _UUID.fullmatch(req.request_id) is None:
         return "invalid_request: request_id must be a UUID"
     return None
