@@ -97,7 +97,7 @@ def cmd_worker(args) -> int:
     settings = _settings(args)
     w = settings.worker
     for name in ("sim_latency_ms", "sim_ms_per_token", "max_inflight", "group_id", "worker_id", "metrics_port",
-                 "metrics_addr"):
+                 "metrics_addr", "pool"):
         value = getattr(args, name)
         if value is not None:
             setattr(w, name, value)
@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "commits a partition's offset only past requests whose responses the broker has "
                                    "acknowledged. SIGTERM stops fetching, lets in-flight requests finish within "
                                    "worker.shutdown_grace_s, commits and leaves the group.")
+    p.add_argument("--pool", help="realtime (CRITICAL+HIGH), async (NORMAL+LOW), background or all (default); "
+                                  "a pool is its own consumer group, llmq-pool-<name>")
     p.add_argument("--sim-latency-ms", type=float, help="simulated model: fixed latency per request")
     p.add_argument("--sim-ms-per-token", type=float, help="simulated model: extra latency per output token")
     p.add_argument("--max-inflight", type=int, help="requests in flight to the backend at once")

@@ -32,6 +32,14 @@ from pipeline.serde.limits import SerdeLimits
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 
+#: Worker pools (the seed's real-time / async / background queues): which bands each consumes.
+DEFAULT_POOLS: dict[str, tuple[str, ...]] = {
+    "realtime": ("CRITICAL", "HIGH"),
+    "async": ("NORMAL", "LOW"),
+    "background": ("BACKGROUND",),
+    "all": ("CRITICAL", "HIGH", "NORMAL", "LOW", "BACKGROUND"),
+}
+
 # Properties llmq sets itself for correctness; users may still override them on purpose.
 _PRODUCER_DEFAULTS = {
     "enable.idempotence": True,
@@ -96,6 +104,9 @@ class TopicSettings:
     def request_topics(self) -> list[str]:
         return [self.request_topic(p) for p in Priority]
 
+    def pool_topics(self, pool: str) -> list[str]:
+        return [self.request_topic(Priority(band)) for band in DEFAULT_POOLS[pool]]
+
     @property
     def responses(self) -> str:
         return f"{self.prefix}.responses"
@@ -130,7 +141,8 @@ class SerdeSettings:
 @dataclass
 class WorkerSettings:
     group_id: str = "llmq-workers"
-    #: Pool name, used as a metrics label (tiered pools come with priority-aware workers).
+    #: Pool: realtime, async, background or all; picks the bands consumed. A pool other
+    #: than "all" uses group "llmq-pool-<pool>" unless group_id is set explicitly.
     pool: str = "all"
     #: Prometheus metrics on metrics_addr:<port>/metrics; 0 = off.
     metrics_port: int = 9101
@@ -154,6 +166,12 @@ class WorkerSettings:
     max_poll_interval_ms: int = 300_000
     #: How long a silent (crashed, frozen) worker keeps its partitions before the group moves them.
     session_timeout_ms: int = 45_000
+
+
+    def effective_group_id(self) -> str:
+        if self.pool != "all" and self.group_id == WorkerSettings.group_id:
+            return f"llmq-pool-{self.pool}"
+        return self.group_id
 
 
 @dataclass
@@ -245,6 +263,8 @@ class Settings:
             positive(f"worker.{key}", getattr(self.worker, key))
         for key in ("shutdown_grace_s", "sim_latency_ms", "sim_ms_per_token"):
             non_negative(f"worker.{key}", getattr(self.worker, key))
+        if self.worker.pool not in DEFAULT_POOLS:
+            raise ConfigError("worker.pool", f"unknown pool {self.worker.pool!r} (known: {', '.join(DEFAULT_POOLS)})")
         if self.worker.backend not in ("simulated",):
             raise ConfigError("worker.backend", f"unknown backend {self.worker.backend!r} (known: simulated)")
         if not 0 <= self.worker.metrics_port < 65536:

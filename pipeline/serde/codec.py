@@ -28,10 +28,16 @@ Decoding is defensive: whatever the bytes, only :class:`DecodeError` (or its sub
 The one exception is a registry that cannot be reached while resolving an id not yet
 cached: that raises a plain :class:`SerdeError`, since the message may well be fine.
 
-Known leniency of fastavro that no check here catches: a negative enum or union branch
-index is read Python-style from the end of the symbol/branch list (``01`` as a
-``Priority`` reads as ``BACKGROUND``), any non-zero byte reads as boolean ``true``,
-and over-long varints wrap around silently.
+Messages written with the current schema revision (the hot path of every worker) are
+encoded and decoded by code generated for that schema at load time
+(:mod:`pipeline.serde.fastpath`), straight to and from the model objects. It gives the
+same results and reasons as fastavro, but refuses what fastavro lets through: a
+negative enum or union branch index (fastavro reads it Python-style from the end of
+the list: ``01`` as a ``Priority`` reads as ``BACKGROUND``), a boolean byte other than
+``00``/``01`` (fastavro: any non-zero byte is ``true``) and over-long varints (fastavro
+wraps them around); see that module for the details. Messages written with other
+revisions are read by fastavro, with those leniencies, as is everything when the codec
+is built with ``fast=False``.
 
 Encoding applies the same field caps (raising :class:`EncodeError`), so whatever this
 codec encodes, it also decodes.
@@ -270,7 +276,9 @@ class Codec:
 
     ``store`` supplies the writer schema (its current revisions) and every schema a
     single-object message may name; ``registry`` (optional) enables the Confluent
-    wire format. Instances are thread-safe.
+    wire format. ``fast=False`` does everything with fastavro instead of the generated
+    code (for comparisons; :attr:`fast` tells whether the generated code is in use, as
+    it is not for schemas it does not support). Instances are thread-safe.
     """
 
     def __init__(

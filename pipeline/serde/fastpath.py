@@ -206,6 +206,10 @@ def _index(data: bytes, pos: int, count: int, kind: str, where: str) -> tuple[in
 _SHORT_LENGTH = tuple(-1 if b & 0x81 else b >> 1 for b in range(256))
 
 
+#: The boolean a byte encodes: only 0x00 and 0x01 do.
+_BOOLEAN = (False, True) + (None,) * 254
+
+
 def _bad_boolean(where: str, byte: int) -> DecodeError:
     return DecodeError("invalid_field", f"{where}: boolean byte {byte:#04x} is neither 0x00 nor 0x01")
 
@@ -431,19 +435,23 @@ def _decode_value(src: _Source, f: _Field, t: tuple, target: str, ind: int) -> N
     kind = t[0]
     where = repr(f.where)
     if kind == "string":
+        # A length running past the end is not checked here: the slice comes out
+        # short, and the next read (or the final position check) fails; a UTF-8
+        # error in a short slice is told apart by ``end > size``. Caps are checked
+        # once at the end, and only if the body could exceed one.
         src.line(ind, "n = _SHORT_LENGTH[data[pos]]")
         src.line(ind, "if n < 0:")
-        src.line(ind + 1, f"n, pos = _length(data, pos, {where})")
+        src.line(ind + 1, "b = data[pos]")
+        src.line(ind + 1, "if b > 0x7F and not b & 1 and data[pos + 1] < 0x80:  # two bytes: 64..8191")
+        src.line(ind + 2, "n = ((b & 0x7F) | (data[pos + 1] << 7)) >> 1")
+        src.line(ind + 2, "pos += 2")
+        src.line(ind + 1, "else:")
+        src.line(ind + 2, f"n, pos = _length(data, pos, {where})")
         src.line(ind, "else:")
         src.line(ind + 1, "pos += 1")
         src.line(ind, "end = pos + n")
-        src.line(ind, "if end > size:")
-        src.line(ind + 1, "raise IndexError")
         src.line(ind, f"{target} = data[pos:end].decode()")
         src.line(ind, "pos = end")
-        if f.cap is not None:
-            src.line(ind, f"if n > {f.cap}:")
-            src.line(ind + 1, "late = 1")
     elif kind == "long":
         # Unrolled up to 6 bytes (epoch milliseconds), with small-int arithmetic
         # until the last step; anything longer goes to the general loop.
@@ -452,25 +460,25 @@ def _decode_value(src: _Source, f: _Field, t: tuple, target: str, ind: int) -> N
         src.line(ind + 1, f"{target} = (b >> 1) ^ -(b & 1)")
         src.line(ind + 1, "pos += 1")
         src.line(ind, "else:")
-        src.line(ind + 1, "n = b & 0x7F")
+        src.line(ind + 1, "u = b & 0x7F")
         depth = ind + 1
         for k in range(1, 5):
             src.line(depth, f"b = data[pos + {k}]")
             src.line(depth, "if b < 0x80:")
-            src.line(depth + 1, f"n |= b << {7 * k}")
+            src.line(depth + 1, f"u |= b << {7 * k}")
             src.line(depth + 1, f"pos += {k + 1}")
             src.line(depth, "else:")
             depth += 1
             if k < 4:
-                src.line(depth, f"n |= (b & 0x7F) << {7 * k}")
+                src.line(depth, f"u |= (b & 0x7F) << {7 * k}")
         # bytes 5 and 6 are joined before the one shift past 30 bits
         src.line(depth, "c = data[pos + 5]")
         src.line(depth, "if c < 0x80:")
-        src.line(depth + 1, "n |= ((b & 0x7F) | (c << 7)) << 28")
+        src.line(depth + 1, "u |= ((b & 0x7F) | (c << 7)) << 28")
         src.line(depth + 1, "pos += 6")
         src.line(depth, "else:")
-        src.line(depth + 1, "n, pos = _uvarint(data, pos)")
-        src.line(ind + 1, f"{target} = (n >> 1) ^ -(n & 1)")
+        src.line(depth + 1, "u, pos = _uvarint(data, pos)")
+        src.line(ind + 1, f"{target} = ~(u >> 1) if u & 1 else u >> 1")
     elif kind == "int":
         src.line(ind, "b = data[pos]")
         src.line(ind, "if b < 0x80:")
@@ -481,10 +489,9 @@ def _decode_value(src: _Source, f: _Field, t: tuple, target: str, ind: int) -> N
         src.line(ind + 1, f"if not {_INT32_MIN} <= {target} <= {_INT32_MAX}:")
         src.line(ind + 2, "late = 1")
     elif kind == "boolean":
-        src.line(ind, "b = data[pos]")
-        src.line(ind, "if b > 1:")
-        src.line(ind + 1, f"raise _bad_boolean({where}, b)")
-        src.line(ind, f"{target} = b == 1")
+        src.line(ind, f"{target} = _BOOLEAN[data[pos]]")
+        src.line(ind, f"if {target} is None:")
+        src.line(ind + 1, f"raise _bad_boolean({where}, data[pos])")
         src.line(ind, "pos += 1")
     elif kind == "enum":
         members, by_byte, _ = _enum_tables(f.enum, t[2], f.where)
@@ -502,6 +509,7 @@ def _decode_value(src: _Source, f: _Field, t: tuple, target: str, ind: int) -> N
         src.line(ind + 1, f"{target} = {{}}")
         src.line(ind + 1, "pos += 1")
         src.line(ind, "else:")
+        src.line(ind + 1, "end = 0  # (the map checks its own lengths)")
         src.line(
             ind + 1,
             f"{target}, pos, over = _map_of_strings(data, pos, size, {entries}, {limit_name!r}, {max_bytes}, {where})",
@@ -628,15 +636,20 @@ def _fields(parsed: Mapping[str, Any], binding: ModelBinding, caps: FieldCaps, r
     return out
 
 
-def _construct(src: _Source, binding: ModelBinding, fields: list[_Field]) -> str:
-    """The expression building the model from the decoded locals (and model defaults)."""
+def _construct(src: _Source, binding: ModelBinding, fields: list[_Field], ind: int) -> None:
+    """Lines building ``obj``, the model, from the decoded locals (and model defaults).
+
+    A dataclass whose ``__init__`` only stores its arguments (no ``__post_init__``, no
+    ``init=False`` fields) is filled in directly, attribute by attribute, which saves
+    the call; otherwise its constructor is called.
+    """
     model = binding.model
     if not dataclasses.is_dataclass(model):
         raise UnsupportedSchema(f"{model.__name__} is not a dataclass")
     decoded = {f.name: f.var for f in fields}
-    positional: list[str] = []
-    keywords: list[str] = []
-    for mf in dataclasses.fields(model):
+    model_fields = dataclasses.fields(model)
+    values: list[tuple[dataclasses.Field, str]] = []
+    for mf in model_fields:
         if not mf.init:
             if mf.name in decoded:
                 raise UnsupportedSchema(f"{model.__name__}.{mf.name} is not an __init__ argument")
@@ -649,11 +662,21 @@ def _construct(src: _Source, binding: ModelBinding, fields: list[_Field]) -> str
                 expr = src.ref(mf.default_factory, "factory") + "()"
             else:
                 raise UnsupportedSchema(f"{model.__name__}.{mf.name} is required but not in the schema")
-        if mf.kw_only:
-            keywords.append(f"{mf.name}={expr}")
-        else:
-            positional.append(expr)
-    return f"{src.ref(model, 'model')}({', '.join(positional + keywords)})"
+        values.append((mf, expr))
+    name = src.ref(model, "model")
+    plain = (
+        not hasattr(model, "__post_init__")
+        and all(mf.init for mf in model_fields)
+        and getattr(model, "__setattr__", object.__setattr__) is object.__setattr__
+    )
+    if plain:
+        src.line(ind, f"obj = _new({name})")
+        for mf, expr in values:
+            src.line(ind, f"obj.{mf.name} = {expr}")
+        return
+    positional = [expr for mf, expr in values if not mf.kw_only]
+    keywords = [f"{mf.name}={expr}" for mf, expr in values if mf.kw_only]
+    src.line(ind, f"obj = {name}({', '.join(positional + keywords)})")
 
 
 def _compile(text: str, filename: str, namespace: dict[str, Any]) -> None:
@@ -733,11 +756,17 @@ def compile_codec(
     fields = _fields(parsed, binding, caps, record)
     generic = _default_late_check(binding, fields, record)
 
-    def raise_late(obj: Any) -> None:
+    def check_late(obj: Any, flagged: int) -> None:
         problem = (late_check(obj) if late_check is not None else None) or generic(obj)
-        if problem is None:  # pragma: no cover - the flags mirror the checks
+        if problem is None and flagged:  # pragma: no cover - the flags mirror the checks
             problem = ("invalid_field", f"{record}: a field is out of range")
-        raise DecodeError(*problem)
+        if problem is not None:
+            raise DecodeError(*problem)
+
+    # No string can exceed its cap in a body no longer than the smallest cap.
+    string_caps = [f.cap for f in fields if f.cap is not None]
+    string_caps += [f.map_caps[2] for f in fields if f.map_caps is not None]
+    min_cap = min(string_caps) if string_caps else None
 
     cont14, last14 = _varint_tables()
     helpers = {
@@ -745,6 +774,8 @@ def compile_codec(
         "_varint": _varint,
         "_uvarint": _uvarint,
         "_SHORT_LENGTH": _SHORT_LENGTH,
+        "_BOOLEAN": _BOOLEAN,
+        "_new": object.__new__,
         "_int": _int,
         "_length": _length,
         "_index": _index,
@@ -752,7 +783,7 @@ def compile_codec(
         "_map_of_strings": _map_of_strings,
         "_put_long": _put_long,
         "_put_map_of_strings": _put_map_of_strings,
-        "_raise_late": raise_late,
+        "_check_late": check_late,
         "_CONT14": cont14,
         "_LAST14": last14,
     }
@@ -767,6 +798,8 @@ def compile_codec(
     dec.line(1, f"if size > {max_record}:")
     dec.line(2, f"raise DecodeError('too_large', f'{{size}} bytes exceed max_record_bytes={max_record}')")
     dec.line(1, "late = 0")
+    dec.line(1, "start = pos")
+    dec.line(1, "end = 0")
     dec.line(1, "try:")
     for f in fields:
         dec.line(2, f"# {f.name}: {f.type}")
@@ -774,16 +807,23 @@ def compile_codec(
     dec.line(1, "except IndexError:")
     dec.line(2, f"raise DecodeError('truncated', {('body ends early (' + label + ')')!r}) from None")
     dec.line(1, "except UnicodeDecodeError as exc:")
+    dec.line(2, "if end > size:  # a string cut short by the end of the message")
+    dec.line(3, f"raise DecodeError('truncated', {('body ends early (' + label + ')')!r}) from None")
     dec.line(2, "raise DecodeError('malformed', f'invalid UTF-8 in a string: {exc.reason}') from None")
     dec.line(1, "except DecodeError:")
     dec.line(2, "raise")
     dec.line(1, "except Exception as exc:  # a bug here must still come out as a DecodeError")
     dec.line(2, "raise DecodeError('malformed', f'{type(exc).__name__}: {exc}') from None")
     dec.line(1, "if pos != size:")
+    dec.line(2, "if pos > size:  # the last string ran past the end")
+    dec.line(3, f"raise DecodeError('truncated', {('body ends early (' + label + ')')!r})")
     dec.line(2, "raise DecodeError('malformed', f'{size - pos} trailing bytes after the record')")
-    dec.line(1, f"obj = {_construct(dec, binding, fields)}")
-    dec.line(1, "if late:")
-    dec.line(2, "_raise_late(obj)")
+    _construct(dec, binding, fields, 1)
+    if min_cap is None:
+        dec.line(1, "if late:")
+    else:
+        dec.line(1, f"if late or size - start > {min_cap}:")
+    dec.line(2, "_check_late(obj, late)")
     dec.line(1, "return obj")
     decode_text = "\n".join(dec.lines) + "\n"
 

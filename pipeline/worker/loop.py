@@ -69,7 +69,8 @@ class Worker:
         self.settings = settings
         self.cfg = settings.worker
         self.backend = backend
-        self.topics = topics or settings.topics.request_topics
+        self.topics = topics or settings.topics.pool_topics(self.cfg.pool)
+        self.group_id = self.cfg.effective_group_id()
         self.codec = codec or Codec.default()
         self.worker_id = worker_id or self.cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.responses_topic = settings.topics.responses
@@ -112,7 +113,7 @@ class Worker:
         self.producer = Producer(self.settings.kafka.producer_config(
             **{"client.id": f"llmq-worker-{self.worker_id}"}, **self._producer_overrides))
         self.consumer = Consumer(self.settings.kafka.consumer_config(
-            cfg.group_id,
+            self.group_id,
             **{"client.id": f"llmq-worker-{self.worker_id}",
                "max.poll.interval.ms": cfg.max_poll_interval_ms,
                "session.timeout.ms": cfg.session_timeout_ms,
@@ -121,7 +122,7 @@ class Worker:
         self.consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
                                 on_lost=self._on_lost)
         log.info("worker %s consuming %s as group %s (backend %s, max in flight %d)",
-                 self.worker_id, ", ".join(self.topics), cfg.group_id, self.backend.name, cfg.max_inflight)
+                 self.worker_id, ", ".join(self.topics), self.group_id, self.backend.name, cfg.max_inflight)
         up = self.metrics.up.labels(self.metrics.pool)
         up.set(1)
         try:

@@ -137,3 +137,19 @@ def test_invalid_requests_are_rejected_with_a_reason_and_counted(settings):
     assert bad_resp.reason.startswith("invalid_request: max_tokens")
     assert samples[("llmq_rejections_total", (("priority", "NORMAL"), ("reason", "invalid_request")))] == 1
     assert samples[("llmq_requests_total", (("outcome", "completed"), ("priority", "NORMAL")))] == 1
+
+
+def test_a_pool_consumes_only_its_bands_in_its_own_group(settings):
+    from pipeline.errors import RequestTimeoutError
+
+    settings.worker.pool = "realtime"
+    settings.worker.group_id = "llmq-workers"  # the default: the pool picks llmq-pool-realtime
+    with running_worker(settings) as worker, LlmqClient(settings) as client:
+        assert worker.group_id == "llmq-pool-realtime"
+        urgent = Request.new("tenant-a", "now", priority=Priority.CRITICAL)
+        later = Request.new("tenant-a", "whenever", priority=Priority.LOW)
+        client.submit(urgent)
+        client.submit(later)
+        assert client.result(urgent.request_id, timeout=30).status is Status.COMPLETED
+        with pytest.raises(RequestTimeoutError):
+            client.result(later.request_id, timeout=3)

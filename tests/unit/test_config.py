@@ -72,3 +72,14 @@ def test_example_config_in_deploy_is_valid():
 
     example = Path(__file__).resolve().parents[2] / "deploy" / "llmq.toml"
     Settings.load(example, env={})
+
+
+def test_pools_pick_their_bands_and_their_own_group():
+    s = Settings.load(env={"LLMQ_WORKER__POOL": "realtime"})
+    assert s.topics.pool_topics("realtime") == ["llm.requests.critical", "llm.requests.high"]
+    assert s.worker.effective_group_id() == "llmq-pool-realtime"
+    explicit = Settings.load(env={"LLMQ_WORKER__POOL": "async", "LLMQ_WORKER__GROUP_ID": "mine"})
+    assert explicit.worker.effective_group_id() == "mine"
+    assert Settings.load(env={}).worker.effective_group_id() == "llmq-workers"
+    with pytest.raises(ConfigError, match="worker.pool"):
+        Settings.load(env={"LLMQ_WORKER__POOL": "turbo"})
