@@ -109,8 +109,11 @@ def _port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def broker_answers(bootstrap: str, timeout: float = 3.0) -> bool:
-    """True when a Kafka broker at ``bootstrap`` answers a metadata request."""
+def broker_answers(bootstrap: str, timeout: float = 3.0, client_config: dict | None = None) -> bool:
+    """True when a Kafka broker at ``bootstrap`` answers a metadata request.
+
+    ``client_config`` adds security properties (SASL_SSL brokers need credentials to answer).
+    """
     host, _, port = bootstrap.rpartition(":")
     try:
         with socket.create_connection((host or "127.0.0.1", int(port)), timeout=min(timeout, 1.0)):
@@ -119,7 +122,8 @@ def broker_answers(bootstrap: str, timeout: float = 3.0) -> bool:
         return False
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0, "logger": _SILENT})
+    admin = AdminClient({**(client_config or {}), "bootstrap.servers": bootstrap, "log_level": 0,
+                         "logger": _SILENT})
     try:
         md = admin.list_topics(timeout=timeout)
         return bool(md.brokers)
@@ -145,10 +149,14 @@ class BrokerStatus:
 
 
 class LocalBroker:
+    """A local broker; with ``secure`` its one client listener is SASL_SSL (SCRAM-SHA-512) with a
+    private CA, and the standard ACL authorizer denies whatever no ACL allows."""
+
     def __init__(self, port: int = 9092, data_dir: str | os.PathLike = ".llmq/kafka", *,
                  kafka_version: str = "4.4.0", heap: str = "768m", cache_dir: str = "",
-                 progress=print):
+                 progress=print, secure: bool = False):
         self.port = port
+        self.secure = secure
         self.data_dir = Path(data_dir).resolve()
         self.kafka_version = kafka_version
         self.heap = heap
@@ -178,8 +186,52 @@ class LocalBroker:
             return None
         return pid if _alive(pid) else None
 
+    @property
+    def tls_dir(self) -> Path:
+        return self.data_dir / "tls"
+
+    @property
+    def secrets_dir(self) -> Path:
+        return self.data_dir / "secrets"
+
+    def is_secure(self) -> bool:
+        """Whether this data dir was formatted for SASL_SSL (the flag only matters at format time)."""
+        try:
+            return (self.data_dir / "mode").read_text().strip() == "secure"
+        except OSError:
+            return self.secure
+
+    def client_config(self, role: str = "admin") -> dict:
+        """librdkafka properties for ``role`` on this broker (empty for a plaintext broker)."""
+        if not self.is_secure():
+            return {}
+        from pipeline.security import SCRAM_MECHANISM, read_secret
+
+        return {"security.protocol": "SASL_SSL", "sasl.mechanism": SCRAM_MECHANISM, "sasl.username": role,
+                "sasl.password": read_secret(self.secrets_dir / f"{role}.password"),
+                "ssl.ca.location": str(self.tls_dir / "ca.pem")}
+
+    def client_env(self, role: str) -> dict[str, str]:
+        """LLMQ_* environment for an llmq process acting as ``role`` on this broker."""
+        env = {"LLMQ_BOOTSTRAP": self.bootstrap}
+        if self.is_secure():
+            from pipeline.security import SCRAM_MECHANISM
+
+            env.update({"LLMQ_KAFKA__SECURITY_PROTOCOL": "SASL_SSL", "LLMQ_KAFKA__SASL_MECHANISM": SCRAM_MECHANISM,
+                        "LLMQ_KAFKA__SASL_USERNAME": role,
+                        "LLMQ_KAFKA__SASL_PASSWORD_FILE": str(self.secrets_dir / f"{role}.password"),
+                        "LLMQ_KAFKA__SSL_CA_LOCATION": str(self.tls_dir / "ca.pem")})
+        return env
+
+    def _answers(self, timeout: float = 3.0) -> bool:
+        try:
+            conf = self.client_config("admin")
+        except OSError:
+            return False
+        return broker_answers(self.bootstrap, timeout, conf)
+
     def status(self) -> BrokerStatus:
-        return BrokerStatus(broker_answers(self.bootstrap), self.bootstrap, self.pid(), self.log_file, self.data_dir)
+        return BrokerStatus(self._answers(), self.bootstrap, self.pid(), self.log_file, self.data_dir)
 
     # -- up -------------------------------------------------------------------------------
 
@@ -190,6 +242,11 @@ class LocalBroker:
             if self._wait_ready(pid, timeout):
                 return self.status()
             raise BrokerError(f"broker process {pid} runs but does not answer on {self.bootstrap}; see {self.log_file}")
+        formatted = (self.data_dir / "data" / "meta.properties").exists()
+        if formatted and self.is_secure() != self.secure:
+            want, have = ("secure", "plaintext") if self.secure else ("plaintext", "secure")
+            raise BrokerError(f"{self.data_dir} holds a {have} broker; start it {'with' if have == 'secure' else 'without'}"
+                              f" --secure, or use another --data-dir for a {want} one")
         if _port_in_use(self.port):
             if broker_answers(self.bootstrap):
                 raise BrokerError(f"another Kafka broker (not started from {self.data_dir}) already listens on "
@@ -199,10 +256,16 @@ class LocalBroker:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "logs").mkdir(exist_ok=True)
         controller_port = self._controller_port()
+        if self.secure:
+            from pipeline.security import ensure_passwords, ensure_tls
+
+            ensure_tls(self.tls_dir)
+            ensure_passwords(self.secrets_dir)
         self._write_config(controller_port)
         classpath = f"{jars}/*"
-        if not (self.data_dir / "data" / "meta.properties").exists():
+        if not formatted:
             self._format(classpath)
+            (self.data_dir / "mode").write_text("secure\n" if self.secure else "plaintext\n")
         cmd = [
             "java", f"-Xms{min_heap(self.heap)}", f"-Xmx{self.heap}", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
             "-Djava.awt.headless=true",
@@ -226,7 +289,7 @@ class LocalBroker:
         while time.monotonic() < deadline:
             if not _alive(pid):
                 return False
-            if broker_answers(self.bootstrap, timeout=2.0):
+            if self._answers(timeout=2.0):
                 return True
             time.sleep(0.25)
         return False
@@ -270,17 +333,56 @@ class LocalBroker:
             "log.retention.hours": "24",
             "log.segment.bytes": str(256 * 1024 * 1024),
         }
+        if self.secure or self.is_secure():
+            props.update(self._secure_props(controller_port))
         self._properties.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
         (self.data_dir / "log4j2.properties").write_text(_LOG4J.format(log_file=self.log_file))
+
+    def _secure_props(self, controller_port: int) -> dict[str, str]:
+        from pipeline.security import SCRAM_MECHANISM, read_secret
+
+        tls = self.tls_dir
+        admin_password = read_secret(self.secrets_dir / "admin.password")
+        return {
+            # Clients: SASL_SSL only. Controller: TLS with client certificates (SCRAM cannot
+            # serve the controller, whose credentials live in the metadata it serves).
+            "listeners": f"SASL_SSL://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{controller_port}",
+            "advertised.listeners": f"SASL_SSL://127.0.0.1:{self.port}",
+            "listener.security.protocol.map": "CONTROLLER:SSL,SASL_SSL:SASL_SSL",
+            "inter.broker.listener.name": "SASL_SSL",
+            "sasl.enabled.mechanisms": SCRAM_MECHANISM,
+            "sasl.mechanism.inter.broker.protocol": SCRAM_MECHANISM,
+            "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config":
+                'org.apache.kafka.common.security.scram.ScramLoginModule required '
+                f'username="admin" password="{admin_password}";',
+            "ssl.keystore.type": "PEM",
+            "ssl.keystore.location": str(tls / "broker-keystore.pem"),
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(tls / "ca.pem"),
+            "listener.name.controller.ssl.client.auth": "required",
+            "ssl.endpoint.identification.algorithm": "https",
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "super.users": "User:admin;User:CN=llmq-broker",
+            "allow.everyone.if.no.acl.found": "false",
+        }
 
     def _format(self, classpath: str) -> None:
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         self.progress(f"formatting KRaft storage in {self.data_dir / 'data'} (cluster {cluster_id})")
+        extra = []
+        if self.secure:
+            from pipeline.security import ROLES, SCRAM_MECHANISM, read_secret
+
+            # SCRAM credentials exist from the first start, before any client can connect.
+            for role in ROLES:
+                password = read_secret(self.secrets_dir / f"{role}.password")
+                extra += ["--add-scram", f"{SCRAM_MECHANISM}=[name={role},password={password}]"]
         proc = subprocess.run(
             ["java", "-Xmx256m", f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
-             "-cp", classpath, _STORAGE_TOOL, "format", "-t", cluster_id, "-c", str(self._properties)],
+             "-cp", classpath, _STORAGE_TOOL, "format", "-t", cluster_id, "-c", str(self._properties), *extra],
             capture_output=True, text=True)
         if proc.returncode != 0:
+            # The command line carries SCRAM passwords: show the tool's output only.
             raise BrokerError(f"formatting storage failed:\n{proc.stdout}\n{proc.stderr}")
 
     # -- down -----------------------------------------------------------------------------

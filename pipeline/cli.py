@@ -42,7 +42,8 @@ def _broker(args, settings: Settings):
 
     b = settings.broker
     return LocalBroker(args.port or b.port, args.data_dir or b.data_dir, kafka_version=b.kafka_version,
-                       heap=b.heap, cache_dir=b.cache_dir, progress=lambda m: print(m, file=sys.stderr))
+                       heap=b.heap, cache_dir=b.cache_dir, progress=lambda m: print(m, file=sys.stderr),
+                       secure=getattr(args, "secure", False))
 
 
 def cmd_broker(args) -> int:
@@ -57,8 +58,15 @@ def cmd_broker(args) -> int:
     broker = _broker(args, settings)
     if args.action == "up":
         st = broker.up()
-        print(f"Kafka broker up at {st.bootstrap} (pid {st.pid}, data {st.data_dir}, log {st.log_file})")
-        print(f"export LLMQ_BOOTSTRAP={st.bootstrap}")
+        mode = "SASL_SSL + SCRAM-SHA-512 + ACLs" if broker.is_secure() else "PLAINTEXT"
+        print(f"Kafka broker up at {st.bootstrap} ({mode}; pid {st.pid}, data {st.data_dir}, log {st.log_file})")
+        if broker.is_secure():
+            print(f"# password files (0600) in {broker.secrets_dir}; apply the role ACLs with `llmq acls --apply`.")
+            print("# an llmq process acting as ROLE (producer, gateway, worker, consumer, client, lagexporter):")
+            for k, v in broker.client_env("ROLE").items():
+                print(f"export {k}={v}")
+        else:
+            print(f"export LLMQ_BOOTSTRAP={st.bootstrap}")
         return 0
     if args.action == "status":
         st = broker.status()
@@ -143,6 +151,25 @@ def cmd_demo(args) -> int:
                     sim_latency_ms=args.sim_latency_ms, keep_broker=args.keep_broker, rate=args.rate)
 
 
+def cmd_acls(args) -> int:
+    from confluent_kafka.admin import AdminClient
+
+    from pipeline import acls
+
+    settings = _settings(args)
+    if not args.apply:
+        print(acls.describe(settings))
+        return 0
+    conf = settings.kafka.admin_config()
+    if args.data_dir or args.port:
+        # The local secured broker: act as its admin principal.
+        broker = _broker(args, settings)
+        conf = {**conf, "bootstrap.servers": broker.bootstrap, **broker.client_config("admin")}
+    n = acls.apply(AdminClient(conf), settings)
+    print(f"applied {n} ACL bindings for roles: {', '.join(acls.role_grants(settings))}")
+    return 0
+
+
 def cmd_lag(args) -> int:
     from pipeline.observability.lag_cli import cmd_lag as run
 
@@ -172,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["up", "status", "down", "fetch"])
     p.add_argument("--port", type=int, help="client port (default 9092; the controller gets a free port)")
     p.add_argument("--data-dir", help="storage, logs and pid file (default .llmq/kafka)")
+    p.add_argument("--secure", action="store_true",
+                   help="up: a SASL_SSL listener (SCRAM-SHA-512, a generated private CA) with the ACL authorizer; "
+                        "one principal per role. Fixed when the data dir is first formatted.")
     p.set_defaults(func=cmd_broker)
 
     p = sub.add_parser("topics", help="create the pipeline's topics (idempotent, verifies partition counts)")
@@ -205,6 +235,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="print the request id once acknowledged, don't wait")
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
     p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("acls", help="print (or --apply) the least-privilege ACLs of every role",
+                       description="One principal per role: producer, consumer, client, worker, gateway, lagexporter "
+                                   "(see pipeline/acls.py). Without --apply, prints them. --apply creates them with the "
+                                   "configured credentials, or as the admin of the local broker given by --port/"
+                                   "--data-dir.")
+    p.add_argument("--apply", action="store_true")
+    p.add_argument("--port", type=int, help="local secured broker's port (use its admin credentials)")
+    p.add_argument("--data-dir", help="local secured broker's data dir")
+    p.set_defaults(func=cmd_acls)
 
     p = sub.add_parser("lag", help="consumer lag per group/topic/partition, per-priority totals, time lag, ETA",
                        description="Like kafka-consumer-groups --describe for llmq's groups, plus per-priority queue "

@@ -26,10 +26,10 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from pipeline.config import Settings
-from pipeline.errors import DecodeError, KafkaOperationError, LlmqError, RequestTimeoutError
+from pipeline.errors import AuthenticationError, DecodeError, KafkaOperationError, LlmqError, RequestTimeoutError
 from pipeline.models import Request, Response
 from pipeline.serde import Codec
 
@@ -107,16 +107,29 @@ class _Engine:
 
     def _start_listener(self) -> None:
         topic = self.settings.topics.responses
+        client_errors: list = []
         consumer = Consumer(self.settings.kafka.consumer_config(
             "llmq-client-unused",  # assign() below: no group membership, no commits
             **{"client.id": "llmq-client-listener", "enable.partition.eof": False,
-               "isolation.level": "read_committed", "fetch.wait.max.ms": 10}))
+               "isolation.level": "read_committed", "fetch.wait.max.ms": 10,
+               "error_cb": client_errors.append}))
         try:
             md = consumer.list_topics(topic, timeout=10)
         except KafkaException as exc:
             consumer.close()
+            auth = [e for e in client_errors if e.code() == KafkaError._AUTHENTICATION]
+            if auth:
+                user = self.settings.kafka.sasl_username
+                raise AuthenticationError(
+                    "connect", f"the broker refused the credentials of {user!r} ({self.settings.kafka.sasl_mechanism}):"
+                               f" {auth[-1].str()}", auth[-1]) from None
             raise KafkaOperationError(f"describe {topic}", str(exc.args[0]), exc.args[0]) from exc
         tmd = md.topics.get(topic)
+        if tmd is not None and tmd.error is not None and tmd.error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+            consumer.close()
+            raise KafkaOperationError(f"read responses from {topic}",
+                                      f"not authorized (principal {self.settings.kafka.sasl_username or 'ANONYMOUS'} "
+                                      "needs READ on it: see `llmq acls`)", tmd.error)
         if tmd is None or tmd.error is not None:
             consumer.close()
             raise LlmqError(f"response topic {topic!r} does not exist; run `llmq topics create`")

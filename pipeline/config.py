@@ -58,15 +58,44 @@ _CONSUMER_DEFAULTS = {
 }
 
 
+_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+_SASL_MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN")
+
+
 @dataclass
 class KafkaSettings:
     bootstrap: str = DEFAULT_BOOTSTRAP
     client_id: str = "llmq"
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str = "SCRAM-SHA-512"
+    sasl_username: str = ""
+    #: Prefer sasl_password_file; the password itself is never logged or shown in repr().
+    sasl_password: str = field(default="", repr=False)
+    sasl_password_file: str = ""
+    #: CA bundle (PEM) that signed the brokers' certificates; hostname verification stays on.
+    ssl_ca_location: str = ""
     #: librdkafka properties passed through untouched (``[kafka.properties]`` in the file).
-    properties: dict[str, Any] = field(default_factory=dict)
+    properties: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def password(self) -> str:
+        if self.sasl_password_file:
+            try:
+                return Path(self.sasl_password_file).expanduser().read_text().strip()
+            except OSError as exc:
+                raise ConfigError("kafka.sasl_password_file", f"cannot read it: {exc.strerror}") from None
+        return self.sasl_password
 
     def common_config(self) -> dict[str, Any]:
-        return {"bootstrap.servers": self.bootstrap, "client.id": self.client_id}
+        conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, "client.id": self.client_id}
+        if self.security_protocol != "PLAINTEXT":
+            conf["security.protocol"] = self.security_protocol
+        if self.security_protocol.startswith("SASL_"):
+            conf["sasl.mechanism"] = self.sasl_mechanism
+            conf["sasl.username"] = self.sasl_username
+            conf["sasl.password"] = self.password()
+        if self.security_protocol in ("SSL", "SASL_SSL") and self.ssl_ca_location:
+            conf["ssl.ca.location"] = self.ssl_ca_location
+        return conf
 
     def producer_config(self, **overrides: Any) -> dict[str, Any]:
         return {**self.common_config(), **_PRODUCER_DEFAULTS, **overrides, **self.properties}
@@ -82,7 +111,8 @@ class KafkaSettings:
 
     def admin_config(self) -> dict[str, Any]:
         # Producer/consumer-only properties make the admin client warn; keep only shared ones.
-        shared = {k: v for k, v in self.properties.items() if k.startswith(("security.", "sasl.", "ssl.", "socket.", "client."))}
+        shared = {k: v for k, v in self.properties.items()
+                  if k.startswith(("security.", "sasl.", "ssl.", "socket.", "client."))}
         return {**self.common_config(), **shared}
 
 
@@ -248,6 +278,22 @@ class Settings:
 
         if not self.kafka.bootstrap.strip():
             raise ConfigError("kafka.bootstrap", "must not be empty")
+        k = self.kafka
+        if k.security_protocol not in _SECURITY_PROTOCOLS:
+            raise ConfigError("kafka.security_protocol", f"must be one of {', '.join(_SECURITY_PROTOCOLS)}")
+        if k.security_protocol.startswith("SASL_"):
+            if k.sasl_mechanism not in _SASL_MECHANISMS:
+                raise ConfigError("kafka.sasl_mechanism", f"must be one of {', '.join(_SASL_MECHANISMS)}")
+            if not k.sasl_username:
+                raise ConfigError("kafka.sasl_username", f"required with security_protocol {k.security_protocol}")
+            if not (k.sasl_password or k.sasl_password_file):
+                raise ConfigError("kafka.sasl_password_file",
+                                  "a password (kafka.sasl_password_file, or LLMQ_KAFKA__SASL_PASSWORD) is required")
+            if k.sasl_mechanism == "PLAIN" and k.security_protocol == "SASL_PLAINTEXT":
+                raise ConfigError("kafka.sasl_mechanism", "PLAIN over SASL_PLAINTEXT sends the password in clear "
+                                                          "text; use SASL_SSL")
+        if k.ssl_ca_location and not Path(k.ssl_ca_location).expanduser().is_file():
+            raise ConfigError("kafka.ssl_ca_location", f"no such file {k.ssl_ca_location!r}")
         for key in ("request_partitions", "response_partitions", "dlq_partitions", "replication_factor"):
             positive(f"topics.{key}", getattr(self.topics, key))
         if not self.topics.prefix or any(c.isspace() for c in self.topics.prefix):

@@ -41,6 +41,10 @@ class KafkaOperationError(LlmqError):
         super().__init__(f"{operation} failed: {detail}")
 
 
+class AuthenticationError(KafkaOperationError):
+    """The broker refused the credentials (wrong user or password, or the wrong mechanism)."""
+
+
 class TopicMismatchError(LlmqError):
     """An existing topic's layout differs from the configured one."""
 

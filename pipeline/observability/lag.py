@@ -23,7 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaException, TopicPartition
+from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -195,7 +195,14 @@ class LagReader:
             deadline = time.monotonic() + timeout
             while wanted and time.monotonic() < deadline:
                 for msg in consumer.consume(len(wanted), 0.1):
-                    if msg.error() is not None:
+                    err = msg.error()
+                    if err is not None:
+                        if err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+                            # A describe-only principal (least privilege) cannot read timestamps.
+                            log.warning("no READ permission on %s: time lag is off for this exporter",
+                                        msg.topic())
+                            self.time_lag = False
+                            return
                         continue
                     p = wanted.pop((msg.topic(), msg.partition()), None)
                     if p is not None:

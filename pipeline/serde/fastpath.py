@@ -20,11 +20,11 @@ using fastavro. Messages written with other schema revisions always go through
 fastavro's schema resolution.
 
 **Decoding** checks everything fastavro's path checks, with the same
-:class:`~pipeline.errors.DecodeError` reasons: ``truncated`` (the body ends early, or a
-string or map claims more bytes than are left), ``malformed`` (invalid UTF-8, bytes
-after the record), ``invalid_field`` (enum or union index out of range, ``int`` outside
-32 bits) and ``limit_exceeded`` (the :class:`~pipeline.serde.limits.SerdeLimits` field
-caps). Cap and range violations are noted while decoding and reported once the whole
+:class:`~pipeline.errors.DecodeError` reasons: ``truncated`` (the body ends early, a
+string claims more bytes than are left, or a negative number of them, as fastavro's
+path has it), ``malformed`` (invalid UTF-8, bytes after the record), ``invalid_field``
+(enum or union index out of range, ``int`` outside 32 bits) and ``limit_exceeded`` (the
+:class:`~pipeline.serde.limits.SerdeLimits` field caps). Cap and range violations are noted while decoding and reported once the whole
 body has been read, through the same check the fastavro path uses (so the same field
 is named); only the map entry cap stops decoding at once, before the map is built.
 
@@ -38,7 +38,6 @@ bytes no Avro writer produces:
 * a varint longer than 10 bytes, or a 10-byte one beyond 64 bits, is ``malformed``
   (fastavro silently wraps it around); an ``int`` (field value, enum or union index)
   encoded in more than 5 bytes is ``invalid_field``;
-* a negative string length is ``malformed`` (fastavro's path calls it ``truncated``);
 * the map entry cap counts encoded entries, so duplicate keys count too (fastavro's
   path counts the entries of the resulting dict), and a map over the cap is reported
   as soon as its block count is read: ``truncated`` if the rest of the message is too
@@ -56,6 +55,7 @@ identical to fastavro's.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import linecache
 import threading
 from dataclasses import dataclass, field
@@ -174,20 +174,25 @@ def _int(data: bytes, pos: int, where: str) -> tuple[int, int]:
     return value, end
 
 
+def _negative_length(where: str, n: int) -> DecodeError:
+    # "truncated", as the fastavro path reports it (fastavro tries to read -n bytes).
+    return DecodeError("truncated", f"{where}: negative length {n}")
+
+
 def _length(data: bytes, pos: int, where: str) -> tuple[int, int]:
-    """A string length or map block count that is not a single non-negative byte."""
+    """A string length that is not a single non-negative byte."""
     b = data[pos]
     if b < 0x80:
-        raise DecodeError("malformed", f"{where}: negative length {(b >> 1) ^ -(b & 1)}")
+        raise _negative_length(where, (b >> 1) ^ -(b & 1))
     c = data[pos + 1]
-    if c < 0x80:  # two bytes: lengths 64..8191, the common long string
+    if c < 0x80:  # two bytes: lengths 64..8191
         n = (b & 0x7F) | (c << 7)
         if n & 1:
-            raise DecodeError("malformed", f"{where}: negative length {(n >> 1) ^ -1}")
+            raise _negative_length(where, (n >> 1) ^ -1)
         return n >> 1, pos + 2
     n, pos = _varint(data, pos)
     if n < 0:
-        raise DecodeError("malformed", f"{where}: negative length {n}")
+        raise _negative_length(where, n)
     return n, pos
 
 
@@ -205,6 +210,10 @@ def _index(data: bytes, pos: int, count: int, kind: str, where: str) -> tuple[in
 #: non-negative number on its own.
 _SHORT_LENGTH = tuple(-1 if b & 0x81 else b >> 1 for b in range(256))
 
+
+#: What the continuation bits of an L-byte varint add up to when its bytes are
+#: summed whole (``byte[k] << 7k``).
+_CONTINUATION_BITS = {length: sum(1 << (7 * k + 7) for k in range(length - 1)) for length in range(1, 7)}
 
 #: The boolean a byte encodes: only 0x00 and 0x01 do.
 _BOOLEAN = (False, True) + (None,) * 254
@@ -246,7 +255,9 @@ def _map_of_strings(
             # Each entry takes at least two bytes (key and value lengths), the map's
             # end one more: a count the rest cannot hold means the message is cut.
             if 2 * count + 1 > size - pos:
-                raise IndexError
+                raise DecodeError(
+                    "truncated", f"{where}: a block of {count} entries cannot fit in the {size - pos} bytes left"
+                )
             raise DecodeError("limit_exceeded", f"{where}: {total} entries exceed {limit_name}={max_entries}")
         for _ in range(count):
             b = data[pos]
@@ -453,31 +464,35 @@ def _decode_value(src: _Source, f: _Field, t: tuple, target: str, ind: int) -> N
         src.line(ind, f"{target} = data[pos:end].decode()")
         src.line(ind, "pos = end")
     elif kind == "long":
-        # Unrolled up to 6 bytes (epoch milliseconds), with small-int arithmetic
-        # until the last step; anything longer goes to the general loop.
+        # Unrolled up to 6 bytes (epoch milliseconds); anything longer goes to the
+        # general loop. The bytes are added whole, continuation bits included, and
+        # those bits (known from the length) are taken off once at the end.
         src.line(ind, "b = data[pos]")
         src.line(ind, "if b < 0x80:")
         src.line(ind + 1, f"{target} = (b >> 1) ^ -(b & 1)")
         src.line(ind + 1, "pos += 1")
         src.line(ind, "else:")
-        src.line(ind + 1, "u = b & 0x7F")
+        src.line(ind + 1, "u = b")
         depth = ind + 1
-        for k in range(1, 5):
+        for k in range(1, 4):
             src.line(depth, f"b = data[pos + {k}]")
+            src.line(depth, f"u += b << {7 * k}")
             src.line(depth, "if b < 0x80:")
-            src.line(depth + 1, f"u |= b << {7 * k}")
+            src.line(depth + 1, f"u -= {_CONTINUATION_BITS[k + 1]:#x}")
             src.line(depth + 1, f"pos += {k + 1}")
             src.line(depth, "else:")
             depth += 1
-            if k < 4:
-                src.line(depth, f"u |= (b & 0x7F) << {7 * k}")
-        # bytes 5 and 6 are joined before the one shift past 30 bits
-        src.line(depth, "c = data[pos + 5]")
-        src.line(depth, "if c < 0x80:")
-        src.line(depth + 1, "u |= ((b & 0x7F) | (c << 7)) << 28")
-        src.line(depth + 1, "pos += 6")
+        src.line(depth, "b = data[pos + 4]")
+        src.line(depth, "if b < 0x80:")
+        src.line(depth + 1, f"u += (b << 28) - {_CONTINUATION_BITS[5]:#x}")
+        src.line(depth + 1, "pos += 5")
         src.line(depth, "else:")
-        src.line(depth + 1, "u, pos = _uvarint(data, pos)")
+        src.line(depth + 1, "c = data[pos + 5]")
+        src.line(depth + 1, "if c < 0x80:  # bytes 5 and 6 joined before the one shift past 30 bits")
+        src.line(depth + 2, f"u += ((b + (c << 7)) << 28) - {_CONTINUATION_BITS[6]:#x}")
+        src.line(depth + 2, "pos += 6")
+        src.line(depth + 1, "else:")
+        src.line(depth + 2, "u, pos = _uvarint(data, pos)")
         src.line(ind + 1, f"{target} = ~(u >> 1) if u & 1 else u >> 1")
     elif kind == "int":
         src.line(ind, "b = data[pos]")
@@ -679,10 +694,22 @@ def _construct(src: _Source, binding: ModelBinding, fields: list[_Field], ind: i
     src.line(ind, f"obj = {name}({', '.join(positional + keywords)})")
 
 
-def _compile(text: str, filename: str, namespace: dict[str, Any]) -> None:
-    code = compile(text, filename, "exec")
-    # Tracebacks through generated code show its lines.
-    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+# Generated source -> its code object: codecs built with the same schema and limits
+# share one compilation (and one linecache entry).
+_compiled: dict[str, Any] = {}
+_compiled_lock = threading.Lock()
+_serial = itertools.count(1)
+
+
+def _compile(text: str, what: str, namespace: dict[str, Any]) -> None:
+    code = _compiled.get(text)
+    if code is None:
+        filename = f"<llmq fastpath {what} #{next(_serial)}>"
+        code = compile(text, filename, "exec")
+        # Tracebacks through generated code show its lines.
+        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+        with _compiled_lock:
+            code = _compiled.setdefault(text, code)
     exec(code, namespace)
 
 
@@ -844,7 +871,6 @@ def compile_codec(
     enc.line(1, "return bytes(out)")
     encode_text = "\n".join(enc.lines) + "\n"
 
-    tag = f"{record}-{id(fields):x}"
-    _compile(decode_text, f"<llmq fastpath decode {tag}>", dec.namespace)
-    _compile(encode_text, f"<llmq fastpath encode {tag}>", enc.namespace)
+    _compile(decode_text, f"decode {record}", dec.namespace)
+    _compile(encode_text, f"encode {record}", enc.namespace)
     return FastCodec(record, dec.namespace["decode"], enc.namespace["encode"], decode_text, encode_text)
