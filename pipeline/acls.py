@@ -17,11 +17,12 @@ bands need no new ACL; deploy/security/README.md shows the same for a production
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from confluent_kafka import KafkaException
-from confluent_kafka.admin import (AclBinding, AclOperation, AclPermissionType, AdminClient, ResourcePatternType,
-                                   ResourceType)
+from confluent_kafka.admin import (AclBinding, AclBindingFilter, AclOperation, AclPermissionType, AdminClient,
+                                   ResourcePatternType, ResourceType)
 
 from pipeline.config import Settings
 from pipeline.errors import KafkaOperationError
@@ -47,6 +48,10 @@ def _group(name: str, *ops, prefixed: bool = False) -> Grant:
                  tuple(ops))
 
 
+#: Idempotent producers (all of llmq's) ask the cluster for a producer id.
+_IDEMPOTENT = Grant(ResourceType.BROKER, "kafka-cluster", ResourcePatternType.LITERAL, (AclOperation.IDEMPOTENT_WRITE,))
+
+
 def _txn(prefix: str) -> Grant:
     return Grant(ResourceType.TRANSACTIONAL_ID, prefix, ResourcePatternType.PREFIXED, (W, D))
 
@@ -55,7 +60,7 @@ def role_grants(settings: Settings) -> dict[str, list[Grant]]:
     t = settings.topics
     requests, dispatch = f"{t.prefix}.requests.", f"{t.prefix}.dispatch."
     cancellations = f"{t.prefix}.cancellations"
-    producer = [_topic(requests, W, D, prefixed=True)]
+    producer = [_topic(requests, W, D, prefixed=True), _IDEMPOTENT]
     consumer = [_topic(t.responses, R, D)]
     return {
         "producer": producer,
@@ -65,13 +70,14 @@ def role_grants(settings: Settings) -> dict[str, list[Grant]]:
             _topic(requests, R, D, prefixed=True), _topic(dispatch, R, D, prefixed=True),
             _topic(cancellations, R, D), _topic(t.responses, W, D), _topic(t.dlq, W, D),
             _group(settings.worker.group_id, R), _group("llmq-pool-", R, prefixed=True), _txn("llmq-worker-"),
+            _IDEMPOTENT,
         ],
         "gateway": [
             _topic(requests, R, D, prefixed=True), _topic(dispatch, W, D, prefixed=True),
             _topic(t.responses, R, W, D), _topic(t.dlq, W, D), _topic(cancellations, R, D),
             _group("llmq-gateway", R, D, prefixed=True),
             _topic("llmq-gateway", R, W, D, AclOperation.CREATE, AclOperation.DESCRIBE_CONFIGS, prefixed=True),
-            _txn("llmq-gateway"),
+            _txn("llmq-gateway"), _IDEMPOTENT,
         ],
         "lagexporter": [_topic(f"{t.prefix}.", D, prefixed=True), _group("llmq-", D, prefixed=True)],
     }
@@ -96,8 +102,12 @@ def describe(settings: Settings) -> str:
     return "\n".join(lines)
 
 
-def apply(admin: AdminClient, settings: Settings) -> int:
-    """Create every binding (idempotent on the broker side); returns how many."""
+def apply(admin: AdminClient, settings: Settings, wait_s: float = 15.0) -> int:
+    """Create every binding (idempotent on the broker side) and wait until they are in force.
+
+    Returns how many. Waiting matters: a client that starts before its ACLs propagate gets
+    an authorization error, and for an idempotent producer that error is fatal.
+    """
     wanted = bindings(settings)
     for binding, fut in admin.create_acls(wanted, request_timeout=30).items():
         try:
@@ -106,4 +116,17 @@ def apply(admin: AdminClient, settings: Settings) -> int:
             err = exc.args[0]
             raise KafkaOperationError(f"create ACL {binding.principal} {binding.operation.name} {binding.name}",
                                       err.str(), err) from exc
+    deadline = time.monotonic() + wait_s
+    any_acl = AclBindingFilter(ResourceType.ANY, None, ResourcePatternType.ANY, None, None, AclOperation.ANY,
+                               AclPermissionType.ANY)
+    while True:
+        present = {(b.restype, b.name, b.resource_pattern_type, b.principal, b.operation)
+                   for b in admin.describe_acls(any_acl, request_timeout=10).result()}
+        missing = [b for b in wanted
+                   if (b.restype, b.name, b.resource_pattern_type, b.principal, b.operation) not in present]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if missing:
+        raise KafkaOperationError("apply ACLs", f"{len(missing)} bindings not visible after {wait_s:.0f}s")
     return len(wanted)

@@ -24,9 +24,11 @@ fastavro's schema resolution.
 string claims more bytes than are left, or a negative number of them, as fastavro's
 path has it), ``malformed`` (invalid UTF-8, bytes after the record), ``invalid_field``
 (enum or union index out of range, ``int`` outside 32 bits) and ``limit_exceeded`` (the
-:class:`~pipeline.serde.limits.SerdeLimits` field caps). Cap and range violations are noted while decoding and reported once the whole
-body has been read, through the same check the fastavro path uses (so the same field
-is named); only the map entry cap stops decoding at once, before the map is built.
+:class:`~pipeline.serde.limits.SerdeLimits` field caps). Cap and range violations are
+reported once the whole body has been read, through the same check the fastavro path
+uses (so the same field is named, with the same message); string caps are not even
+looked at when the body is shorter than the smallest of them. Only the map entry cap
+stops decoding at once, before the map is built.
 
 It is deliberately stricter than fastavro in a few places, where fastavro accepts
 bytes no Avro writer produces:
@@ -125,10 +127,9 @@ LateCheck = Callable[[Any], "tuple[str, str] | None"]
 
 # -- runtime helpers the generated code calls ------------------------------------------
 #
-# The generated code reads single-byte varints inline and calls these for everything
-# longer or unusual. A body that ends early shows up as IndexError (``data[pos]`` past
-# the end, or an explicit ``raise IndexError`` when a string claims more bytes than are
-# left), which the generated function turns into DecodeError("truncated").
+# The generated code reads the common cases inline and calls these for the rest. A body
+# that ends early shows up as IndexError (``data[pos]`` past the end), which the
+# generated function turns into DecodeError("truncated").
 
 
 def _uvarint(data: bytes, pos: int) -> tuple[int, int]:
@@ -206,8 +207,8 @@ def _index(data: bytes, pos: int, count: int, kind: str, where: str) -> tuple[in
     return index, end
 
 
-#: Length (or count) encoded by a single byte, or -1 if that byte does not encode a
-#: non-negative number on its own.
+#: The string length a single byte encodes, or -1 if it does not encode a non-negative
+#: number on its own.
 _SHORT_LENGTH = tuple(-1 if b & 0x81 else b >> 1 for b in range(256))
 
 
@@ -632,14 +633,14 @@ def _fields(parsed: Mapping[str, Any], binding: ModelBinding, caps: FieldCaps, r
         if name not in model_fields:
             raise UnsupportedSchema(f"{where}: {binding.model.__name__} has no such field")
         t = _type_of(spec.get("type"), named, where)
+        if t[0] == "null":
+            raise UnsupportedSchema(f"{where}: a null field")
         inner = t
         if t[0] == "union":
             inner = t[1] if t[1][0] != "null" else t[2]
         enum = binding.enums.get(name)
         if (inner[0] == "enum") != (enum is not None):
             raise UnsupportedSchema(f"{where}: Avro {inner[0]} for a model field that holds {enum or 'plain values'}")
-        if t[0] == "null":
-            raise UnsupportedSchema(f"{where}: a null field")
         map_caps = None
         if inner[0] == "map":
             map_caps = caps.maps.get(name)
@@ -774,19 +775,22 @@ def compile_codec(
 ) -> FastCodec:
     """Generate and compile the codec of one parsed record schema for ``binding.model``.
 
-    ``late_check(obj)`` reports cap/range problems of a decoded object (the codec passes
-    its own check so the messages match the fastavro path); a generic check is used when
-    it is None or finds nothing. ``source`` names the schema in messages. Raises
-    :class:`UnsupportedSchema` if the schema or its fit to the model is not supported.
+    ``late_check(obj)`` reports the cap/range problem of a decoded object, if any (the
+    codec passes its own check so the messages match the fastavro path); without one,
+    or if it misses a problem the decoder saw, a generic check names it. ``source``
+    names the schema in messages. Raises :class:`UnsupportedSchema` if the schema or
+    its fit to the model is not supported.
     """
     record = str(parsed.get("name", "record")).rsplit(".", 1)[-1]
     fields = _fields(parsed, binding, caps, record)
     generic = _default_late_check(binding, fields, record)
 
     def check_late(obj: Any, flagged: int) -> None:
-        problem = (late_check(obj) if late_check is not None else None) or generic(obj)
-        if problem is None and flagged:  # pragma: no cover - the flags mirror the checks
-            problem = ("invalid_field", f"{record}: a field is out of range")
+        # ``flagged``: a problem was seen while decoding, so one must be reported.
+        # Otherwise the body was merely long enough that a string might exceed a cap.
+        problem = late_check(obj) if late_check is not None else generic(obj)
+        if problem is None and flagged:
+            problem = generic(obj) or ("invalid_field", f"{record}: a field is out of range")
         if problem is not None:
             raise DecodeError(*problem)
 
