@@ -32,6 +32,7 @@ from pipeline.config import Settings
 from pipeline.errors import AuthenticationError, DecodeError, KafkaOperationError, LlmqError, RequestTimeoutError
 from pipeline.models import Request, Response
 from pipeline.serde import Codec
+from pipeline.serde.factory import codec_for
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class Submitted:
 class _Engine:
     def __init__(self, settings: Settings, codec: Codec | None = None, listen: bool = True):
         self.settings = settings
-        self.codec = codec or Codec.default()
+        self.codec = codec or codec_for(settings.serde)
         self.producer = Producer(settings.kafka.producer_config(**{"client.id": "llmq-client"}))
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._poll_producer, name="llmq-client-producer", daemon=True)
@@ -67,7 +68,7 @@ class _Engine:
 
     def submit_future(self, request: Request) -> Future:
         topic = self.settings.topics.request_topic(request.priority)
-        value = self.codec.encode_request(request)
+        value = self.codec.encode_request(request, self.settings.serde.wire_format, topic)
         fut: Future = Future()
 
         def delivered(err, msg):

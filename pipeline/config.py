@@ -196,6 +196,8 @@ class WorkerSettings:
     max_poll_interval_ms: int = 300_000
     #: How long a silent (crashed, frozen) worker keeps its partitions before the group moves them.
     session_timeout_ms: int = 45_000
+    #: Recent request ids a worker remembers, to answer a re-submitted id only once (0 = off).
+    dedupe_window: int = 100_000
 
 
     def effective_group_id(self) -> str:

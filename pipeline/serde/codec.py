@@ -365,7 +365,9 @@ class Codec:
         """
         if not isinstance(req, Request):
             raise EncodeError(f"LLMRequest: encode_request needs a Request, got {type(req).__name__}")
-        fast = self._fast_request
+        # The generated encoder reads the attributes itself, so only for the model
+        # class proper: a subclass may override to_record().
+        fast = self._fast_request if type(req) is Request else None
         if fast is not None and wire == "single-object":
             data = fast.encode(req, self._request_header)
             if data is not None:
@@ -389,7 +391,7 @@ class Codec:
         """Encode ``resp`` with the current response schema (see :meth:`encode_request`)."""
         if not isinstance(resp, Response):
             raise EncodeError(f"LLMResponse: encode_response needs a Response, got {type(resp).__name__}")
-        fast = self._fast_response
+        fast = self._fast_response if type(resp) is Response else None
         if fast is not None and wire == "single-object":
             data = fast.encode(resp, self._response_header)
             if data is not None:

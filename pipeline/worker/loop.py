@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections import OrderedDict
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ from pipeline.models import Priority, Request, Response, Status
 from pipeline.observability.metrics import WorkerMetrics, reason_code
 from pipeline.policy.validation import validate_request
 from pipeline.serde import Codec
+from pipeline.serde.factory import codec_for
 from pipeline.worker.backends.base import Backend, Completion
 from pipeline.worker.offsets import OffsetTracker
 
@@ -71,7 +73,11 @@ class Worker:
         self.backend = backend
         self.topics = topics or settings.topics.pool_topics(self.cfg.pool)
         self.group_id = self.cfg.effective_group_id()
-        self.codec = codec or Codec.default()
+        self.codec = codec or codec_for(settings.serde)
+        self._wire = settings.serde.wire_format
+        # Request ids answered recently by this worker: a re-submitted id is answered once.
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._seen_max = self.cfg.dedupe_window
         self.worker_id = worker_id or self.cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.responses_topic = settings.topics.responses
         self.dlq_topic = settings.topics.dlq
@@ -218,6 +224,8 @@ class Worker:
         started = _now_ms()
         band = request.priority._value_
         invalid = validate_request(request)
+        if invalid is None:
+            invalid = self._duplicate(request.request_id)
         if invalid is not None:
             self.stats.rejected += 1
             self.metrics.outcome(band, "rejected")
@@ -240,6 +248,16 @@ class Worker:
         else:
             self._tasks[(tp, offset)] = asyncio.get_running_loop().create_task(
                 self._call_backend(tp, offset, request, started))
+
+    def _duplicate(self, request_id: str) -> str | None:
+        seen = self._seen
+        if request_id in seen:
+            return ("duplicate_request_id: this request id was already taken by this worker; the first "
+                    "submission is answered")
+        seen[request_id] = None
+        if len(seen) > self._seen_max:
+            seen.popitem(last=False)
+        return None
 
     async def _call_backend(self, tp, offset: int, request: Request, started: int) -> None:
         self.metrics.inflight_child.inc()
@@ -289,7 +307,7 @@ class Worker:
             metadata={"trace_id": request.trace_id} if request.trace_id else {}))
 
     def _respond(self, tp, offset: int, response: Response) -> None:
-        value = self.codec.encode_response(response)
+        value = self.codec.encode_response(response, self._wire, self.responses_topic)
         self._produce(self.responses_topic, value, response.tenant_id.encode(), None,
                       functools.partial(self._delivered, tp, offset))
 
@@ -368,6 +386,8 @@ class Worker:
 
     def _on_revoke(self, consumer, partitions) -> None:
         self.stats.rebalances += 1
+        # Their uncommitted requests go to another member, or come back here: not duplicates.
+        self._seen.clear()
         self.metrics.rebalances.labels(self.metrics.pool).inc()
         self._assignment_changed = True
         revoked = {(p.topic, p.partition) for p in partitions}

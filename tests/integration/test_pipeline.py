@@ -153,3 +153,17 @@ def test_a_pool_consumes_only_its_bands_in_its_own_group(settings):
         assert client.result(urgent.request_id, timeout=30).status is Status.COMPLETED
         with pytest.raises(RequestTimeoutError):
             client.result(later.request_id, timeout=3)
+
+
+def test_a_resubmitted_request_id_is_answered_once_and_the_copy_rejected(settings):
+    from tests.integration.harness import read_topic
+
+    with running_worker(settings), LlmqClient(settings) as client:
+        req = Request.new("tenant-twice", "only once please")
+        client.submit(req)
+        client.submit(req)
+        responses = read_topic(settings.kafka.bootstrap, settings.topics.responses, timeout=30,
+                               until=lambda ms: len(ms) >= 2)
+    decoded = sorted((Codec.default().decode_response(m.value()) for m in responses), key=lambda r: r.status.value)
+    assert [r.status for r in decoded] == [Status.COMPLETED, Status.REJECTED]
+    assert decoded[1].reason.startswith("duplicate_request_id")

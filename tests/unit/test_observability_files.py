@@ -30,7 +30,15 @@ PROM_TESTS = sorted((PROM / "tests").glob("*.yml"))
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "llmq.json"
 K8S = ROOT / "deploy" / "k8s"
 
-PROMTOOL = shutil.which("promtool")
+def _find_promtool() -> str | None:
+    # On PATH (make test puts the cached copy there), else where `make setup` unpacked it.
+    from pipeline.broker import cache_root
+
+    cached = cache_root() / "prometheus" / "usr" / "bin" / "promtool"
+    return shutil.which("promtool") or (str(cached) if cached.exists() else None)
+
+
+PROMTOOL = _find_promtool()
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not found on PATH (installed by `make setup`; Debian package 'prometheus')")
 

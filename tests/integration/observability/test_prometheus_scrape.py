@@ -17,7 +17,15 @@ from pipeline.observability.lag import LagCollector, LagReader, build_registry
 from pipeline.observability.metrics import serve
 from tests.integration.harness import free_port, running_worker
 
-PROMETHEUS = shutil.which("prometheus")
+def _find_prometheus() -> str | None:
+    # On PATH (make test puts the cached copy there), else where `make setup` unpacked it.
+    from pipeline.broker import cache_root
+
+    cached = cache_root() / "prometheus" / "usr" / "bin" / "prometheus"
+    return shutil.which("prometheus") or (str(cached) if cached.exists() else None)
+
+
+PROMETHEUS = _find_prometheus()
 
 
 @pytest.fixture
