@@ -109,6 +109,20 @@ class KafkaSettings:
             **self.properties,
         }
 
+    def aiokafka_config(self) -> dict[str, Any]:
+        """The same connection settings for aiokafka (Faust's kafka:// driver)."""
+        conf: dict[str, Any] = {"bootstrap_servers": self.bootstrap, "client_id": self.client_id,
+                                "security_protocol": self.security_protocol}
+        if self.security_protocol.startswith("SASL_"):
+            conf.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
+                        sasl_plain_password=self.password())
+        if self.security_protocol in ("SSL", "SASL_SSL"):
+            import ssl
+
+            # Hostname verification and certificate checks stay on (the ssl module's defaults).
+            conf["ssl_context"] = ssl.create_default_context(cafile=self.ssl_ca_location or None)
+        return conf
+
     def admin_config(self) -> dict[str, Any]:
         # Producer/consumer-only properties make the admin client warn; keep only shared ones.
         shared = {k: v for k, v in self.properties.items()
@@ -198,6 +212,9 @@ class WorkerSettings:
     session_timeout_ms: int = 45_000
     #: Recent request ids a worker remembers, to answer a re-submitted id only once (0 = off).
     dedupe_window: int = 100_000
+    #: Tenants that get their own metric label: these, plus the N busiest; the rest are "other".
+    metrics_tenants: list[str] = field(default_factory=list)
+    metrics_tenant_top_n: int = 10
 
 
     def effective_group_id(self) -> str:
@@ -309,7 +326,7 @@ class Settings:
         for key in ("max_inflight", "batch_size", "commit_interval_ms", "idle_poll_ms", "max_poll_interval_ms",
                     "session_timeout_ms"):
             positive(f"worker.{key}", getattr(self.worker, key))
-        for key in ("shutdown_grace_s", "sim_latency_ms", "sim_ms_per_token"):
+        for key in ("shutdown_grace_s", "sim_latency_ms", "sim_ms_per_token", "metrics_tenant_top_n", "dedupe_window"):
             non_negative(f"worker.{key}", getattr(self.worker, key))
         if self.worker.pool not in DEFAULT_POOLS:
             raise ConfigError("worker.pool", f"unknown pool {self.worker.pool!r} (known: {', '.join(DEFAULT_POOLS)})")
@@ -352,6 +369,12 @@ def _coerce(key_path: str, hint: Any, value: Any, from_env: bool) -> Any:
             if not isinstance(value, str):
                 raise ValueError("expected a string")
             return value
+        if origin is list:
+            if from_env:
+                return [item.strip() for item in str(value).split(",") if item.strip()]
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError("expected a list of strings")
+            return list(value)
         if origin is dict:
             if from_env:
                 # "k=v,k2=v2" in the environment

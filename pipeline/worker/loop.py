@@ -31,7 +31,7 @@ from pipeline.config import Settings
 from pipeline.dlq import dead_letter_headers
 from pipeline.errors import BackendError, DecodeError, KafkaOperationError
 from pipeline.models import Priority, Request, Response, Status
-from pipeline.observability.metrics import WorkerMetrics, reason_code
+from pipeline.observability.metrics import TenantLabels, WorkerMetrics, reason_code
 from pipeline.policy.validation import validate_request
 from pipeline.serde import Codec
 from pipeline.serde.factory import codec_for
@@ -82,7 +82,8 @@ class Worker:
         self.responses_topic = settings.topics.responses
         self.dlq_topic = settings.topics.dlq
         self.stats = WorkerStats()
-        self.metrics = metrics or WorkerMetrics(pool=self.cfg.pool)
+        self.metrics = metrics or WorkerMetrics(
+            pool=self.cfg.pool, tenants=TenantLabels(self.cfg.metrics_tenants, self.cfg.metrics_tenant_top_n))
         # A dead letter has no decoded priority: its topic's band stands in.
         self._topic_band = {settings.topics.request_topic(p): p.value for p in Priority}
         self._slot_free = asyncio.Event()

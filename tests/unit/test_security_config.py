@@ -58,3 +58,22 @@ def test_roles_get_least_privilege_grants():
     prefixed = [g for g in grants["worker"] if g.resource == ResourceType.TOPIC and g.name.endswith(".")]
     assert prefixed and all(g.pattern == ResourcePatternType.PREFIXED for g in prefixed)
     assert set(grants["client"]) == set(grants["producer"]) | set(grants["consumer"])
+
+
+def test_aiokafka_gets_the_same_security_settings(tmp_path):
+    import ssl
+
+    pw = tmp_path / "gw.password"
+    pw.write_text("gw-secret")
+    s = Settings.load(env={"LLMQ_KAFKA__SECURITY_PROTOCOL": "SASL_SSL", "LLMQ_KAFKA__SASL_USERNAME": "gateway",
+                           "LLMQ_KAFKA__SASL_PASSWORD_FILE": str(pw)})
+    conf = s.kafka.aiokafka_config()
+    assert conf["security_protocol"] == "SASL_SSL" and conf["sasl_mechanism"] == "SCRAM-SHA-512"
+    assert conf["sasl_plain_username"] == "gateway" and conf["sasl_plain_password"] == "gw-secret"
+    assert conf["ssl_context"].check_hostname and conf["ssl_context"].verify_mode == ssl.CERT_REQUIRED
+
+
+def test_metric_tenant_labels_are_configurable():
+    s = Settings.load(env={"LLMQ_WORKER__METRICS_TENANTS": "acme, globex", "LLMQ_WORKER__METRICS_TENANT_TOP_N": "3"})
+    assert s.worker.metrics_tenants == ["acme", "globex"]
+    assert s.worker.metrics_tenant_top_n == 3
