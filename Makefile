@@ -40,6 +40,11 @@ integration: setup
 bench: setup
 	$(BIN)/python bench/run.py
 
+# Mutation fuzzer over the worker's admission path (no broker); writes bench/fuzz.json.
+.PHONY: fuzz
+fuzz: setup
+	$(BIN)/python bench/fuzz.py
+
 broker-up: setup
 	$(LLMQ) broker up
 
