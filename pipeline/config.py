@@ -139,7 +139,9 @@ class TopicSettings:
     replication_factor: int = 1
     request_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(7 * 24 * 3600 * 1000)})
     response_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(7 * 24 * 3600 * 1000)})
-    dlq_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(30 * 24 * 3600 * 1000)})
+    #: max.message.bytes: a dead letter is the original message plus llmq's headers.
+    dlq_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(30 * 24 * 3600 * 1000),
+                                                                "max.message.bytes": str(8 * 1024 * 1024 + 65536)})
 
     def request_topic(self, priority: Priority) -> str:
         return f"{self.prefix}.requests.{priority.value.lower()}"
@@ -319,6 +321,9 @@ class Settings:
             raise ConfigError("topics.prefix", "must be a non-empty name without spaces")
         for key in ("max_record_bytes", "max_prompt_bytes", "max_metadata_entries", "max_string_bytes", "max_output_bytes"):
             positive(f"serde.{key}", getattr(self.serde, key))
+        if self.serde.max_record_bytes < 4096:
+            # A FAILED response carrying only ids and a reason must always fit.
+            raise ConfigError("serde.max_record_bytes", f"must be >= 4096, got {self.serde.max_record_bytes}")
         if self.serde.wire_format not in ("single-object", "confluent"):
             raise ConfigError("serde.wire_format", "must be 'single-object' or 'confluent'")
         if self.serde.wire_format == "confluent" and not self.serde.registry_url:

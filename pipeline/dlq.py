@@ -17,6 +17,10 @@ H_STAGE = "llmq.dlq.stage"
 H_FAILED_AT = "llmq.dlq.failed.at"
 
 _MAX_ERROR_CHARS = 1000
+RESERVED_PREFIX = "llmq."
+#: Above this, a dead letter keeps only the head of the original value (and says so).
+MAX_DEAD_LETTER_BYTES = 8 * 1024 * 1024
+H_TRUNCATED = "llmq.dlq.truncated.from"
 
 
 def dead_letter_headers(topic: str, partition: int, offset: int, reason: str, error: str, stage: str,
@@ -30,9 +34,11 @@ def dead_letter_headers(topic: str, partition: int, offset: int, reason: str, er
         (H_STAGE, stage.encode()),
         (H_FAILED_AT, str(int(time.time() * 1000)).encode()),
     ]
-    # Keep the producer's own headers after ours, untouched (they are data, never trusted).
+    # Keep the producer's own headers after ours (they are data, never trusted). Any in
+    # llmq's namespace are renamed, so a producer cannot forge the reason or the source.
     if original_headers:
-        headers.extend((k, v if v is not None else b"") for k, v in original_headers)
+        headers.extend((f"original.{k}" if k.startswith(RESERVED_PREFIX) else k, v if v is not None else b"")
+                       for k, v in original_headers)
     return headers
 
 

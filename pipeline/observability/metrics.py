@@ -46,8 +46,9 @@ def reason_code(reason: str | None) -> str:
     return code[:40] if code.replace("_", "").isalnum() else "other"
 
 
-class TenantLabels:
-    """Maps tenant ids to a bounded label set: allow-listed ones, else the top-N seen, else 'other'.
+class BoundedLabels:
+    """Maps free values (tenant ids, model names) to a bounded label set: allow-listed ones,
+    else the top-N seen, else 'other'.
 
     Used by one thread (the worker loop), so it takes no lock.
     """
@@ -74,6 +75,9 @@ class TenantLabels:
             if len(self._counts) > 100 * self.top_n:  # bounded memory under very many tenants
                 self._counts = _Counts(dict(self._counts.most_common(10 * self.top_n)))
         return tenant if tenant in top else "other"
+
+
+TenantLabels = BoundedLabels
 
 
 # -- lock-free series -------------------------------------------------------------------------
@@ -180,6 +184,9 @@ class WorkerMetrics:
         self.registry = registry or CollectorRegistry()
         self.pool = pool
         self.tenants = tenants or TenantLabels()
+        # Model names come from request bodies: bounded like tenants, or a producer could
+        # grow the series (and the scrape) without limit.
+        self.models = BoundedLabels(top_n=20)
         self.requests = Counter("llmq_requests", "Requests by priority and outcome.", ["priority", "outcome"])
         self.rejections = Counter("llmq_rejections", "Rejected requests by priority and reason.",
                                   ["priority", "reason"])
@@ -207,6 +214,9 @@ class WorkerMetrics:
 
     def outcome(self, priority: str, outcome: str) -> None:
         self.requests.labels(priority, outcome).value += 1
+
+    def served(self, priority: str, model: str, seconds: float) -> None:
+        self.duration.labels(priority, self.models.label(model)).observe(seconds)
 
     def waited(self, priority: str, tenant: str, seconds: float) -> None:
         self.queue_wait.labels(priority).observe(seconds)

@@ -12,11 +12,16 @@ from pipeline.models import Request
 
 MAX_TENANT_ID_CHARS = 256
 MAX_TOKENS_LIMIT = 1_000_000
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# C0/C1 controls, and Unicode format/separator characters that reorder or hide text
+# (bidi overrides, zero-width, line/paragraph separators, BOM).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
+_TRACE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+#: How far in the future a client's clock may put created_at before the request is refused.
+MAX_CLOCK_SKEW_MS = 5 * 60 * 1000
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
 
-def validate_request(req: Request) -> str | None:
+def validate_request(req: Request, now_ms: int | None = None) -> str | None:
     tenant = req.tenant_id
     if not tenant or not tenant.strip():
         return "invalid_request: tenant_id is empty"
@@ -36,4 +41,9 @@ def validate_request(req: Request) -> str | None:
         return "invalid_request: model is empty"
     if _UUID.fullmatch(req.request_id) is None:
         return "invalid_request: request_id must be a UUID"
+    if req.trace_id is not None and _TRACE_ID.fullmatch(req.trace_id) is None:
+        return "invalid_request: trace_id must be 1-128 characters of A-Z a-z 0-9 . _ : -"
+    if now_ms is not None and req.created_at > now_ms + MAX_CLOCK_SKEW_MS:
+        return (f"invalid_request: created_at is {(req.created_at - now_ms) // 1000}s in the future "
+                "(client clock skew?)")
     return None

@@ -403,7 +403,9 @@ class SchemaStore:
                 writer=writer.parsed,
                 reader=None if same else reader.parsed,
                 writer_fullname=writer.fullname,
-                writer_source=writer.source,
+                # Travels into dead-letter headers: name the revision, not a server path.
+                writer_source=(f"{writer.fullname} revision {writer.revision}" if writer.revision is not None
+                               else f"{writer.fullname} (registry)"),
             )
             with self._lock:
                 plan = self._plans.setdefault(key, plan)

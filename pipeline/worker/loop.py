@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from pipeline.config import Settings
-from pipeline.dlq import dead_letter_headers
-from pipeline.errors import BackendError, DecodeError, KafkaOperationError
+from pipeline.dlq import H_TRUNCATED, MAX_DEAD_LETTER_BYTES, dead_letter_headers
+from pipeline.errors import BackendError, DecodeError, EncodeError, KafkaOperationError
 from pipeline.models import Priority, Request, Response, Status
 from pipeline.observability.metrics import TenantLabels, WorkerMetrics, reason_code
 from pipeline.policy.validation import validate_request
@@ -118,7 +118,10 @@ class Worker:
     async def _main(self) -> None:
         cfg = self.cfg
         self.producer = Producer(self.settings.kafka.producer_config(
-            **{"client.id": f"llmq-worker-{self.worker_id}"}, **self._producer_overrides))
+            **{"client.id": f"llmq-worker-{self.worker_id}",
+               # room for a dead letter of the largest request the broker accepts, plus headers
+               "message.max.bytes": MAX_DEAD_LETTER_BYTES + 65536},
+            **self._producer_overrides))
         self.consumer = Consumer(self.settings.kafka.consumer_config(
             self.group_id,
             **{"client.id": f"llmq-worker-{self.worker_id}",
@@ -216,15 +219,15 @@ class Worker:
         stats.consumed += 1
         value = msg.value()
         try:
-            if value is None:
-                raise DecodeError("empty", "message has no value (tombstone)")
+            if not value:
+                raise DecodeError("empty", "message has no value (empty or tombstone)")
             request = self.codec.decode_request(value)
         except DecodeError as exc:
             self._dead_letter(msg, tp, offset, exc.reason, str(exc))
             return
         started = _now_ms()
         band = request.priority._value_
-        invalid = validate_request(request)
+        invalid = validate_request(request, started)
         if invalid is None:
             invalid = self._duplicate(request.request_id)
         if invalid is not None:
@@ -296,7 +299,7 @@ class Worker:
         band = request.priority._value_
         m = self.metrics
         m.outcome(band, "completed")
-        m.duration.labels(band, c.model).observe(seconds)
+        m.served(band, c.model, seconds)
         m.tokens.labels(band, "prompt").inc(c.prompt_tokens)
         m.tokens.labels(band, "completion").inc(c.completion_tokens)
         # Built directly rather than through Response.for_request: this runs per message.
@@ -308,9 +311,25 @@ class Worker:
             metadata={"trace_id": request.trace_id} if request.trace_id else {}))
 
     def _respond(self, tp, offset: int, response: Response) -> None:
-        value = self.codec.encode_response(response, self._wire, self.responses_topic)
+        try:
+            value = self.codec.encode_response(response, self._wire, self.responses_topic)
+        except EncodeError as exc:
+            # An answer over the size caps (say, a runaway model output) must still end in a
+            # response: a FAILED one without the output.
+            value = self._fallback(response, f"response_too_large: {exc}")
         self._produce(self.responses_topic, value, response.tenant_id.encode(), None,
                       functools.partial(self._delivered, tp, offset))
+
+    def _fallback(self, response: Response, reason: str) -> bytes:
+        log.warning("request %s answered FAILED: %s", response.request_id, reason)
+        self.stats.failed += 1
+        self.metrics.outcome(response.requested_priority._value_, "failed")
+        failed = Response(
+            request_id=response.request_id, tenant_id=response.tenant_id, status=Status.FAILED, reason=reason[:500],
+            model=None, requested_priority=response.requested_priority, served_priority=response.served_priority,
+            created_at=response.created_at, admitted_at=response.admitted_at, started_at=response.started_at,
+            finished_at=_now_ms(), worker_id=self.worker_id)
+        return self.codec.encode_response(failed, self._wire, self.responses_topic)
 
     def _dead_letter(self, msg, tp, offset: int, reason: str, error: str) -> None:
         self.stats.dead_lettered += 1
@@ -328,6 +347,25 @@ class Worker:
             except BufferError:
                 # Local queue full: serve delivery reports until there is room.
                 self.producer.poll(0.05)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                    raise
+                topic, value, key, headers = self._shrunk(topic, value, key, headers)
+
+    def _shrunk(self, topic: str, value, key, headers):
+        """A message the broker or producer refuses as too large, made small enough to publish.
+
+        A dead letter keeps the head of the original value and says how long it was; a
+        response becomes a FAILED response without its output. Either way the request
+        still ends in exactly one outcome and the partition moves on.
+        """
+        if topic == self.dlq_topic:
+            own = [(k, v) for k, v in (headers or []) if k.startswith("llmq.dlq.")]
+            size = len(value or b"") + len(key or b"") + sum(len(k) + len(v or b"") for k, v in (headers or []))
+            log.warning("dead letter of %d bytes exceeds the size limit; keeping its first 64 KiB", size)
+            return topic, (value or b"")[:65536], (key or b"")[:1024], own + [(H_TRUNCATED, str(size).encode())]
+        response = self.codec.decode_response(value)
+        return topic, self._fallback(response, "response_too_large: the broker refused its size"), key, None
 
     def _delivered(self, tp, offset: int, err, msg) -> None:
         if err is None:
@@ -335,6 +373,10 @@ class Worker:
             stats = self.stats
             stats.delivered += 1
             stats.last_delivered_at = time.perf_counter()
+            return
+        if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+            self._produce(*self._shrunk(msg.topic(), msg.value(), msg.key(), msg.headers()),
+                          functools.partial(self._delivered, tp, offset))
             return
         if err.fatal():
             self._fatal = KafkaOperationError("produce response", err.str(), err)

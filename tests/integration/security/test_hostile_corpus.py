@@ -163,13 +163,6 @@ TIMEOUT_GT0 = INVALID + "timeout_ms must be > 0"
 CONTROL = INVALID + "tenant_id contains control characters"
 NOT_UUID = INVALID + "request_id must be a UUID"
 
-HEADER_SPOOF_XFAIL = (
-    "dead_letter_headers() appends the producer's own headers after llmq's, so a producer-set "
-    "'llmq.dlq.reason' (and source topic/offset) header is duplicated; header_dict() -- and Java's "
-    "Headers.lastHeader() -- return the LAST one, i.e. the attacker's value"
-)
-
-
 def _rejected(prefix: str) -> Answer:
     return Answer(REQ, prefix)
 
@@ -205,7 +198,7 @@ def build_corpus() -> list[Case]:
     add(Case("wrong_magic_c302", b"\xc3\x02" + good[2:], Dlq("bad_magic")))
     add(Case("wrong_magic_json", b'{"request_id": "x", "tenant_id": "t", "prompt": "p"}', Dlq("bad_magic")))
     add(Case("lone_c3_byte", b"\xc3", Dlq("truncated")))
-    add(Case("empty_value", b"", Dlq("truncated")))  # "empty message": only a None value says "empty"
+    add(Case("empty_value", b"", Dlq("empty")))  # zero bytes and a tombstone get the same reason
     add(Case("tombstone", None, Dlq("empty")))
     add(Case("header_only_2_bytes", b"\xc3\x01", Dlq("truncated")))
     add(Case("header_cut_in_fingerprint", HEADER[:7], Dlq("truncated")))
@@ -258,8 +251,7 @@ def build_corpus() -> list[Case]:
     # -- garbage carrying hostile keys and headers ---------------------------------------------
     add(Case("garbage_with_spoofed_dlq_headers", b"not avro at all", Dlq("bad_magic"),
              headers=[("llmq.dlq.reason", b"spoofed"), ("llmq.dlq.source.topic", b"elsewhere"),
-                      ("llmq.dlq.source.offset", b"999999")],
-             xfail=HEADER_SPOOF_XFAIL))
+                      ("llmq.dlq.source.offset", b"999999")]))
     add(Case("garbage_with_huge_key_and_many_headers", b"\xde\xad\xbe\xef", Dlq("bad_magic"),
              key=b"K" * 100_000, headers=[(f"h{i}", b"v" * 10) for i in range(500)] + [("none", None)]))
 
@@ -332,14 +324,12 @@ def build_corpus() -> list[Case]:
                                    + zz(1) + avro_string("k") + avro_string("2") + b"\x00")))
     add(_request_case("uppercase_uuid", Answer(Status.COMPLETED), request_id=str(uuid.uuid4()).upper()))
 
-    # Accepted as they are (no rule against them today; see the module's report).
-    def echoes_trace(resp: Response) -> None:
-        assert resp.metadata == {"trace_id": "trace\x1b[2J\n"}
-
-    add(_request_case("trace_id_with_control_chars_is_echoed", Answer(Status.COMPLETED, check=echoes_trace),
+    # Found by this corpus and since refused: terminal escapes echoed back in trace ids, bidi
+    # overrides in tenant ids, and requests dated so far ahead that they never expire.
+    add(_request_case("trace_id_with_control_chars", _rejected(INVALID + "trace_id must be"),
                       trace_id="trace\x1b[2J\n"))
-    add(_request_case("tenant_with_bidi_override", Answer(Status.COMPLETED), tenant_id="tenant\u202egnp.exe"))
-    add(_request_case("created_at_far_future_never_expires", Answer(Status.COMPLETED),
+    add(_request_case("tenant_with_bidi_override", _rejected(CONTROL), tenant_id="tenant\u202egnp.exe"))
+    add(_request_case("created_at_far_future", _rejected(INVALID + "created_at is"),
                       created_at=(1 << 63) - 1, timeout_ms=(1 << 63) - 1))
     return cases
 
@@ -499,7 +489,9 @@ def test_case_outcome(run: Run, case: Case):
         assert _first(own, "llmq.dlq.stage") == "worker"
         assert _first(own, "llmq.dlq.error")
         for k, v in case.headers or ():
-            assert (k, v if v is not None else b"") in own  # the producer's headers are kept
+            # The producer's headers are kept; those in llmq's namespace renamed, not trusted.
+            kept = f"original.{k}" if k.startswith("llmq.") else k
+            assert (kept, v if v is not None else b"") in own
         # What a tool reading the headers as a dict (or by Kafka's lastHeader) sees.
         seen = header_dict(own)
         assert seen["llmq.dlq.reason"] == case.expect.reason
@@ -556,16 +548,8 @@ def test_the_whole_corpus_is_answered_fast(run: Run):
 
 # -- a dead letter larger than the producer's message.max.bytes ----------------------------------
 
-DLQ_TOO_LARGE_XFAIL = (
-    "worker crash: Worker._produce only handles BufferError; copying a near-limit message to the DLQ "
-    "(original value + key + headers + ~300 bytes of llmq.dlq.* headers) exceeds the worker producer's "
-    "message.max.bytes (1,000,000), producer.produce() raises KafkaException(MSG_SIZE_TOO_LARGE) out of "
-    "_handle and the worker thread dies; nothing is committed, so every restart dies on the same message "
-    "(a poison pill that stalls the partition)"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=DLQ_TOO_LARGE_XFAIL)
+# Found by this corpus: the copy (original + ~300 bytes of llmq.dlq.* headers) used to exceed
+# the worker producer's message.max.bytes, and the worker died on it at every restart.
 @pytest.mark.parametrize("shape", ["near_limit_value", "tiny_value_near_limit_headers"])
 def test_a_near_limit_message_is_dead_lettered_without_killing_the_worker(settings, shape):
     topic = settings.topics.request_topic(Priority.NORMAL)
