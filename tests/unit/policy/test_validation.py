@@ -30,3 +30,29 @@ def test_invalid_requests_get_a_precise_reason(change, fragment):
     reason = validate_request(req)
     assert reason is not None and reason.startswith("invalid_request: ")
     assert fragment in reason
+
+
+@pytest.mark.parametrize("tenant", ["tenant\u202egnp.exe", "zero\u200bwidth", "line\u2028sep", "\ufeffbom"])
+def test_tenant_ids_with_invisible_or_reordering_characters_are_refused(tenant):
+    req = Request.new("x", "hello")
+    req.tenant_id = tenant
+    assert "control characters" in validate_request(req)
+
+
+def test_trace_ids_are_short_printable_tokens():
+    req = Request.new("tenant-a", "hello", trace_id="4bf92f3577b34da6a3ce929d0e0e4736")
+    assert validate_request(req) is None
+    req.trace_id = "trace\x1b[2J\n"
+    assert validate_request(req).startswith("invalid_request: trace_id")
+    req.trace_id = "t" * 129
+    assert validate_request(req).startswith("invalid_request: trace_id")
+
+
+def test_requests_dated_in_the_future_beyond_clock_skew_are_refused():
+    req = Request.new("tenant-a", "hello")
+    now = req.created_at
+    assert validate_request(req, now_ms=now) is None
+    req.created_at = now + 60_000  # a minute of skew is tolerated
+    assert validate_request(req, now_ms=now) is None
+    req.created_at = now + 3_600_000
+    assert "in the future" in validate_request(req, now_ms=now)
