@@ -154,7 +154,7 @@ def _conditions(args, kafka_version: str) -> dict:
     import fastavro
 
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "confluent_kafka": confluent_kafka.version()[0],
+            "python": platform.python_version(), "confluent_kafka": confluent_kafka.__version__,
             "librdkafka": confluent_kafka.libversion()[0], "fastavro": fastavro.__version__,
             "kafka": kafka_version, "messages": args.messages, "rounds": args.rounds,
             "prompt_bytes": args.prompt_bytes}
