@@ -128,3 +128,41 @@ def test_no_secret_reaches_the_logs_at_debug_level(secure_broker, prefix):
                              "--port", str(secure_broker.port), "--data-dir", str(secure_broker.data_dir)],
                             capture_output=True, text=True, timeout=60)
     assert (secure_broker.secrets_dir / "admin.password").read_text().strip() not in status.stdout + status.stderr
+
+
+def test_a_producer_submits_requests(secure_broker, prefix):
+    with LlmqClient(settings_for(secure_broker, "producer", prefix), listen=False) as client:
+        sub = client.submit(Request.new("tenant-p", "fire and forget", priority=Priority.LOW), track=False)
+    assert sub.topic == f"{prefix}.requests.low"
+
+
+def test_the_gateway_role_reads_requests_in_its_group_and_writes_dispatch(secure_broker, prefix):
+    from confluent_kafka.admin import NewTopic
+
+    admin = AdminClient(settings_for(secure_broker, "admin", prefix).kafka.admin_config())
+    dispatch = f"{prefix}.dispatch.high"
+    admin.create_topics([NewTopic(dispatch, 1, 1)])[dispatch].result(30)
+    gw = {**secure_broker.client_config("gateway"), "bootstrap.servers": secure_broker.bootstrap}
+    failures = []
+    producer = Producer({**gw, "enable.idempotence": True})
+    producer.produce(dispatch, b"admitted", on_delivery=lambda err, msg: failures.append(err))
+    producer.flush(15)
+    assert failures == [None]
+    with LlmqClient(settings_for(secure_broker, "producer", prefix), listen=False) as client:
+        client.submit(Request.new("tenant-g", "for the gateway", priority=Priority.LOW), track=False)
+    consumer = Consumer({**gw, "group.id": "llmq-gateway", "auto.offset.reset": "earliest"})
+    msgs = []
+    try:
+        consumer.subscribe([f"{prefix}.requests.low"])
+        for _ in range(40):
+            msgs += [m for m in consumer.consume(10, 0.5) if m.error() is None]
+            if msgs:
+                break
+        assert msgs, "the gateway role read nothing from the request topic"
+        consumer.commit(message=msgs[-1], asynchronous=False)  # its own group: allowed
+    finally:
+        consumer.close()
+    denied = []
+    producer.produce(f"{prefix}.requests.high", b"forged", on_delivery=lambda err, msg: denied.append(err))
+    producer.flush(15)
+    assert denied[0] is not None and denied[0].code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
