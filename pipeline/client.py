@@ -62,7 +62,14 @@ class _Engine:
         self._listening = threading.Event()
         self._listener_error: BaseException | None = None
         if listen:
-            self._start_listener()
+            try:
+                self._start_listener()
+            except BaseException:
+                # Not authorized, no topic, wrong password: leave no producer thread behind.
+                self._closed.set()
+                self._poller.join(2)
+                self.producer.flush(0)
+                raise
 
     # -- submit ---------------------------------------------------------------------------
 
