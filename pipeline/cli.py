@@ -99,18 +99,18 @@ def cmd_topics(args) -> int:
 
 def cmd_worker(args) -> int:
     from pipeline.observability.metrics import serve
-    from pipeline.worker.backends.simulated import SimulatedBackend
+    from pipeline.worker.backends.factory import make_backend
     from pipeline.worker.loop import Worker
 
     settings = _settings(args)
     w = settings.worker
     for name in ("sim_latency_ms", "sim_ms_per_token", "max_inflight", "group_id", "worker_id", "metrics_port",
-                 "metrics_addr", "pool"):
+                 "metrics_addr", "pool", "backend", "openai_base_url"):
         value = getattr(args, name)
         if value is not None:
             setattr(w, name, value)
     settings.validate()
-    backend = SimulatedBackend(w.sim_latency_ms, w.sim_ms_per_token)
+    backend = make_backend(w)
     topics = args.topics.split(",") if args.topics else None
     worker = Worker(settings, backend, topics=topics)
     if serve(worker.metrics.registry, w.metrics_port, w.metrics_addr):
@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "worker.shutdown_grace_s, commits and leaves the group.")
     p.add_argument("--pool", help="realtime (CRITICAL+HIGH), async (NORMAL+LOW), background or all (default); "
                                   "a pool is its own consumer group, llmq-pool-<name>")
+    p.add_argument("--backend", choices=["simulated", "openai"], help="model backend (default simulated)")
+    p.add_argument("--openai-base-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1 (vLLM); "
+                                             "API key from LLMQ_WORKER__OPENAI_API_KEY(_FILE)")
     p.add_argument("--sim-latency-ms", type=float, help="simulated model: fixed latency per request")
     p.add_argument("--sim-ms-per-token", type=float, help="simulated model: extra latency per output token")
     p.add_argument("--max-inflight", type=int, help="requests in flight to the backend at once")

@@ -205,9 +205,16 @@ class WorkerSettings:
     idle_poll_ms: int = 5
     #: On SIGTERM, how long in-flight requests may still finish before they are handed back.
     shutdown_grace_s: float = 10.0
+    #: "simulated" or "openai" (any OpenAI-compatible chat-completions server).
     backend: str = "simulated"
     sim_latency_ms: float = 0.0
     sim_ms_per_token: float = 0.0
+    openai_base_url: str = "http://127.0.0.1:8000/v1"
+    openai_api_key: str = field(default="", repr=False)
+    openai_api_key_file: str = ""
+    #: Per model call (never past the request's own deadline), and tries before FAILED.
+    backend_timeout_s: float = 60.0
+    backend_max_attempts: int = 3
     #: librdkafka max.poll.interval.ms for workers; the loop never blocks on the backend.
     max_poll_interval_ms: int = 300_000
     #: How long a silent (crashed, frozen) worker keeps its partitions before the group moves them.
@@ -335,8 +342,12 @@ class Settings:
             non_negative(f"worker.{key}", getattr(self.worker, key))
         if self.worker.pool not in DEFAULT_POOLS:
             raise ConfigError("worker.pool", f"unknown pool {self.worker.pool!r} (known: {', '.join(DEFAULT_POOLS)})")
-        if self.worker.backend not in ("simulated",):
-            raise ConfigError("worker.backend", f"unknown backend {self.worker.backend!r} (known: simulated)")
+        if self.worker.backend not in ("simulated", "openai"):
+            raise ConfigError("worker.backend", f"unknown backend {self.worker.backend!r} (known: simulated, openai)")
+        if self.worker.backend == "openai" and not self.worker.openai_base_url.startswith(("http://", "https://")):
+            raise ConfigError("worker.openai_base_url", "must be an http:// or https:// URL")
+        positive("worker.backend_timeout_s", self.worker.backend_timeout_s)
+        positive("worker.backend_max_attempts", self.worker.backend_max_attempts)
         if not 0 <= self.worker.metrics_port < 65536:
             raise ConfigError("worker.metrics_port", f"must be a TCP port or 0 (off), got {self.worker.metrics_port}")
         if not 0 < self.broker.port < 65536:

@@ -167,3 +167,22 @@ def test_a_resubmitted_request_id_is_answered_once_and_the_copy_rejected(setting
     decoded = sorted((Codec.default().decode_response(m.value()) for m in responses), key=lambda r: r.status.value)
     assert [r.status for r in decoded] == [Status.COMPLETED, Status.REJECTED]
     assert decoded[1].reason.startswith("duplicate_request_id")
+
+
+def test_the_openai_http_backend_serves_through_the_worker_and_failures_end_failed(settings):
+    from pipeline.worker.backends.factory import make_backend
+    from tests.openai_stub import StubServer
+
+    script = [(429, {"error": "rate"}, 0, {"retry-after": "0.1"}), (200, None, 0, {})]
+    with StubServer(script) as server:
+        settings.worker.backend = "openai"
+        settings.worker.openai_base_url = server.url
+        settings.worker.backend_max_attempts = 2
+        with running_worker(settings, make_backend(settings.worker)), LlmqClient(settings) as client:
+            ok = client.submit_and_wait(Request.new("tenant-http", "via http", max_tokens=8), timeout=30)
+            server.script = [(503, {"error": "down"}, 0, {})]
+            bad = client.submit_and_wait(Request.new("tenant-http", "will fail"), timeout=30)
+    assert ok.status is Status.COMPLETED and ok.output == "echo: via http"
+    assert (ok.prompt_tokens, ok.completion_tokens) == (7, 3)
+    assert bad.status is Status.FAILED
+    assert bad.reason.startswith("backend_error: HTTP 503") and "after 2 attempts" in bad.reason
