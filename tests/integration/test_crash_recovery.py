@@ -90,3 +90,21 @@ def test_sigterm_finishes_in_flight_work_commits_and_exits_cleanly(settings):
     for tp, end in end_offsets(settings.kafka.bootstrap, [topic]).items():
         if end:
             assert committed[tp] == end
+
+
+def test_a_model_call_longer_than_max_poll_interval_neither_evicts_nor_redelivers(settings):
+    from pipeline.worker.backends.simulated import SimulatedBackend
+    from tests.integration.harness import running_worker
+
+    settings.worker.max_poll_interval_ms = 10_000
+    settings.worker.session_timeout_ms = 6_000
+    with running_worker(settings, SimulatedBackend(latency_ms=15_000)) as worker, LlmqClient(settings) as client:
+        req = Request.new("tenant-slow", "think hard", timeout_ms=120_000)
+        client.submit(req)
+        resp = client.result(req.request_id, timeout=40)
+        assert resp.status.value == "COMPLETED"
+        time.sleep(1)
+        ids = _response_ids(settings)
+        rebalances = worker.stats.rebalances
+    assert ids == [req.request_id]  # answered once: no eviction, no redelivery
+    assert rebalances == 1  # the initial assignment only
