@@ -219,6 +219,10 @@ class WorkerSettings:
     max_poll_interval_ms: int = 300_000
     #: How long a silent (crashed, frozen) worker keeps its partitions before the group moves them.
     session_timeout_ms: int = 45_000
+    #: Minimum share of a worker's dispatches each lower band keeps while higher bands are busy
+    #: (anti-starvation); the rest goes strictly by priority.
+    band_min_share: dict[str, float] = field(default_factory=lambda: {
+        "HIGH": 0.10, "NORMAL": 0.05, "LOW": 0.05, "BACKGROUND": 0.05})
     #: Recent request ids a worker remembers, to answer a re-submitted id only once (0 = off).
     dedupe_window: int = 100_000
     #: Tenants that get their own metric label: these, plus the N busiest; the rest are "other".
@@ -340,6 +344,19 @@ class Settings:
             positive(f"worker.{key}", getattr(self.worker, key))
         for key in ("shutdown_grace_s", "sim_latency_ms", "sim_ms_per_token", "metrics_tenant_top_n", "dedupe_window"):
             non_negative(f"worker.{key}", getattr(self.worker, key))
+        shares = {}
+        for band, share in self.worker.band_min_share.items():
+            if band not in Priority.__members__:
+                raise ConfigError(f"worker.band_min_share.{band}", f"unknown band (known: {', '.join(Priority.__members__)})")
+            try:
+                shares[band] = float(share)
+            except (TypeError, ValueError):
+                raise ConfigError(f"worker.band_min_share.{band}", f"must be a number, got {share!r}") from None
+            if not 0 <= shares[band] < 1:
+                raise ConfigError(f"worker.band_min_share.{band}", f"must be in [0, 1), got {share!r}")
+        if sum(shares.values()) >= 1:
+            raise ConfigError("worker.band_min_share", "the minimum shares must add up to less than 1")
+        self.worker.band_min_share = shares
         if self.worker.pool not in DEFAULT_POOLS:
             raise ConfigError("worker.pool", f"unknown pool {self.worker.pool!r} (known: {', '.join(DEFAULT_POOLS)})")
         if self.worker.backend not in ("simulated", "openai"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 import logging
 import os
 import signal
@@ -32,6 +32,7 @@ from pipeline.dlq import H_TRUNCATED, MAX_DEAD_LETTER_BYTES, dead_letter_headers
 from pipeline.errors import BackendError, DecodeError, EncodeError, KafkaOperationError
 from pipeline.models import Priority, Request, Response, Status
 from pipeline.observability.metrics import TenantLabels, WorkerMetrics, reason_code
+from pipeline.policy.bands import BandScheduler
 from pipeline.policy.validation import validate_request
 from pipeline.serde import Codec
 from pipeline.serde.factory import codec_for
@@ -94,6 +95,15 @@ class Worker:
         self._stop = threading.Event()
         self._paused = False
         self._assignment_changed = False
+        # Priority-aware intake: taken messages wait in one queue per band; the scheduler
+        # picks the band to serve next; a band whose queue is full has its partitions paused,
+        # so librdkafka's shared fetch queue never holds higher-band work behind it.
+        self._rank = {settings.topics.request_topic(p): p.rank for p in Priority}
+        self._rank.update({f"{settings.topics.prefix}.dispatch.{p.value.lower()}": p.rank for p in Priority})
+        self._backlog: list[deque] = [deque() for _ in Priority]
+        self._backlog_cap = max(2 * self.cfg.max_inflight, 64)
+        self._paused_bands: set[int] = set()
+        self._scheduler = BandScheduler([self.cfg.band_min_share.get(p.value, 0.0) for p in Priority])
         self._fatal: KafkaOperationError | None = None
         self._last_commit = time.monotonic()
         self.consumer: Consumer | None = None
@@ -147,45 +157,90 @@ class Worker:
         consumer, producer, cfg = self.consumer, self.producer, self.cfg
         idle_s = cfg.idle_poll_ms / 1000.0
         commit_every = cfg.commit_interval_ms / 1000.0
-        # While every slot is busy the loop takes no messages, but it must still call
-        # consume() now and then: that serves rebalances and resets max.poll.interval.ms.
-        keepalive_s = min(1.0, cfg.max_poll_interval_ms / 3000.0)
         batch = cfg.batch_size
-        handle = self._handle
-        last_poll = time.monotonic()
+        take, dispatch = self._take, self._dispatch
         while not self._stop.is_set() and self._fatal is None:
-            room = cfg.max_inflight - len(self._tasks)
             now = time.monotonic()
-            if room > 0:
-                # Take only what fits: the rest stays prefetched in librdkafka's queue.
-                # (Pausing for flow control would purge that queue and cost a refetch.)
-                self._apply_flow_control(True)
-                msgs = consumer.consume(min(batch, room), 0)
-                last_poll = now
-            elif now - last_poll >= keepalive_s:
-                self._apply_flow_control(False)
-                msgs = consumer.consume(1, 0)  # partitions paused: only events, no work
-                last_poll = now
-            else:
-                msgs = ()
+            # Always poll: it serves rebalances and keeps max.poll.interval.ms satisfied, even
+            # while every backend slot is busy (full bands are paused, so nothing piles up).
+            msgs = consumer.consume(batch, 0)
             if self._assignment_changed:
                 self._assignment_changed = False
-                self._apply_flow_control(not self._paused, force=True)
+                self._reapply_pauses()
             for msg in msgs:
-                handle(msg)
+                take(msg)
+            dispatched = dispatch()
+            self._pause_full_bands()
             producer.poll(0)
             if now - self._last_commit >= commit_every:
                 self._commit(asynchronous=True)
-            if room <= 0:
+            if len(self._tasks) >= cfg.max_inflight:
                 self._slot_free.clear()
                 try:
                     await asyncio.wait_for(self._slot_free.wait(), idle_s)
                 except asyncio.TimeoutError:
                     pass
-            elif not msgs:
+            elif not msgs and not dispatched:
                 await asyncio.sleep(idle_s)
             elif self._tasks:
                 await asyncio.sleep(0)
+
+    def _take(self, msg) -> None:
+        """Accept a consumed message into its band's queue (its offset now holds commits back)."""
+        err = msg.error()
+        if err is not None:
+            if err.code() != _PARTITION_EOF:
+                log.warning("consumer error: %s", err)
+                if err.fatal():
+                    self._fatal = KafkaOperationError("consume", err.str(), err)
+            return
+        topic = msg.topic()
+        self.tracker.started((topic, msg.partition()), msg.offset())
+        self._backlog[self._rank.get(topic, 4)].append(msg)
+
+    def _dispatch(self) -> int:
+        """Start queued requests, highest band first (minimum shares aside), while slots are free."""
+        backlog, tasks, limit = self._backlog, self._tasks, self.cfg.max_inflight
+        pick, record, process = self._scheduler.pick, self._scheduler.record, self._process
+        n = 0
+        while len(tasks) < limit:
+            band = pick([bool(q) for q in backlog])
+            if band is None:
+                break
+            record(band)
+            process(backlog[band].popleft())
+            n += 1
+        return n
+
+    def _pause_full_bands(self) -> None:
+        cap = self._backlog_cap
+        for band, queue in enumerate(self._backlog):
+            if band not in self._paused_bands and len(queue) >= cap:
+                self._set_band_paused(band, True)
+            elif band in self._paused_bands and len(queue) <= cap // 2 and not self._paused:
+                self._set_band_paused(band, False)
+
+    def _set_band_paused(self, band: int, paused: bool) -> None:
+        parts = [tp for tp in self.consumer.assignment() if self._rank.get(tp.topic, 4) == band]
+        if paused:
+            self._paused_bands.add(band)
+            if parts:
+                self.consumer.pause(parts)
+        else:
+            self._paused_bands.discard(band)
+            if parts:
+                self.consumer.resume(parts)
+
+    def _reapply_pauses(self) -> None:
+        """Pauses do not survive a rebalance: apply them to whatever is assigned now."""
+        assignment = self.consumer.assignment()
+        if self._paused:
+            if assignment:
+                self.consumer.pause(assignment)
+            return
+        parts = [tp for tp in assignment if self._rank.get(tp.topic, 4) in self._paused_bands]
+        if parts:
+            self.consumer.pause(parts)
 
     def _apply_flow_control(self, want_running: bool, force: bool = False) -> None:
         if want_running == (not self._paused) and not force:
@@ -203,16 +258,15 @@ class Worker:
     # -- per message ----------------------------------------------------------------------
 
     def _handle(self, msg) -> None:
-        err = msg.error()
-        if err is not None:
-            if err.code() != _PARTITION_EOF:
-                log.warning("consumer error: %s", err)
-                if err.fatal():
-                    self._fatal = KafkaOperationError("consume", err.str(), err)
-            return
+        """Take one message and process it at once (no band scheduling): tests and tools."""
+        self._take(msg)
+        if msg.error() is None:
+            self._backlog[self._rank.get(msg.topic(), 4)].pop()
+            self._process(msg)
+
+    def _process(self, msg) -> None:
         tp = (msg.topic(), msg.partition())
         offset = msg.offset()
-        self.tracker.started(tp, offset)
         stats = self.stats
         if not stats.consumed:
             stats.first_consumed_at = time.perf_counter()
@@ -440,6 +494,7 @@ class Worker:
             if key[0] in revoked:
                 task.cancel()
                 self._tasks.pop(key, None)
+        self._drop_queued(revoked)
         # Publish and acknowledge what is finished, commit it, then let the partitions go.
         self.producer.flush(10)
         self._commit(asynchronous=False, only=revoked)
@@ -455,8 +510,15 @@ class Worker:
             if key[0] in lost:
                 task.cancel()
                 self._tasks.pop(key, None)
+        self._drop_queued(lost)
         for tp in lost:
             self.tracker.forget(tp)
+
+    def _drop_queued(self, partitions: set) -> None:
+        # Taken but not started: uncommitted, so the partitions' next owner runs them.
+        for i, queue in enumerate(self._backlog):
+            if queue:
+                self._backlog[i] = deque(m for m in queue if (m.topic(), m.partition()) not in partitions)
 
     async def _drain(self, grace_s: float) -> None:
         """Stop fetching, let in-flight calls finish within the grace period, hand back the rest."""
