@@ -144,6 +144,15 @@ def cmd_submit(args) -> int:
     return 0 if response.status.value == "COMPLETED" else 3
 
 
+def cmd_cancel(args) -> int:
+    from pipeline.client import LlmqClient
+
+    with LlmqClient(_settings(args), listen=False) as client:
+        client.cancel(args.request_id, args.reason)
+    print(f"cancellation of {args.request_id} published")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from pipeline.demo import run_demo
 
@@ -269,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=9102)
     p.add_argument("--metrics-addr", default="127.0.0.1")
     p.set_defaults(func=cmd_lag_exporter)
+
+    p = sub.add_parser("cancel", help="cancel a request (answered CANCELLED unless already finished)")
+    p.add_argument("request_id")
+    p.add_argument("--reason", default="cancelled by the client")
+    p.set_defaults(func=cmd_cancel)
 
     p = sub.add_parser("demo", help="the end-to-end demo behind `make demo`",
                        description="Starts the local broker if none answers, creates topics, starts workers, "

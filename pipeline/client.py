@@ -245,6 +245,19 @@ class LlmqClient:
             self._engine.expect(request.request_id)
         return self._engine.submit_future(request)
 
+    def cancel(self, request_id: str, reason: str = "cancelled by the client", timeout: float = 30.0) -> None:
+        """Ask workers to answer ``request_id`` CANCELLED (best effort: a finished request stays finished)."""
+        from pipeline.cancellations import cancellation_record
+
+        key, value = cancellation_record(request_id, reason)
+        fut: Future = Future()
+        topic = self._engine.settings.topics.cancellations
+        self._engine.producer.produce(
+            topic, value, key,
+            on_delivery=lambda err, msg: fut.set_exception(KafkaOperationError(f"cancel {request_id}", err.str(), err))
+            if err is not None else fut.set_result(None))
+        fut.result(timeout)
+
     def response_future(self, request_id: str) -> Future:
         """A future resolved with the response to ``request_id`` (for callbacks, many at once).
 

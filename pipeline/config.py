@@ -139,6 +139,10 @@ class TopicSettings:
     replication_factor: int = 1
     request_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(7 * 24 * 3600 * 1000)})
     response_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(7 * 24 * 3600 * 1000)})
+    cancellation_partitions: int = 3
+    #: Compacted (one record per request id) and deleted after a day: cancelling is for live work.
+    cancellation_config: dict[str, str] = field(default_factory=lambda: {
+        "cleanup.policy": "compact,delete", "retention.ms": str(24 * 3600 * 1000)})
     #: max.message.bytes: a dead letter is the original message plus llmq's headers.
     dlq_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(30 * 24 * 3600 * 1000),
                                                                 "max.message.bytes": str(8 * 1024 * 1024 + 65536)})
@@ -160,6 +164,10 @@ class TopicSettings:
     @property
     def dlq(self) -> str:
         return f"{self.prefix}.dlq"
+
+    @property
+    def cancellations(self) -> str:
+        return f"{self.prefix}.cancellations"
 
 
 @dataclass
@@ -326,7 +334,8 @@ class Settings:
                                                           "text; use SASL_SSL")
         if k.ssl_ca_location and not Path(k.ssl_ca_location).expanduser().is_file():
             raise ConfigError("kafka.ssl_ca_location", f"no such file {k.ssl_ca_location!r}")
-        for key in ("request_partitions", "response_partitions", "dlq_partitions", "replication_factor"):
+        for key in ("request_partitions", "response_partitions", "dlq_partitions", "cancellation_partitions",
+                    "replication_factor"):
             positive(f"topics.{key}", getattr(self.topics, key))
         if not self.topics.prefix or any(c.isspace() for c in self.topics.prefix):
             raise ConfigError("topics.prefix", "must be a non-empty name without spaces")

@@ -45,6 +45,8 @@ def pipeline_topics(settings: Settings) -> list[TopicSpec]:
              for name in t.request_topics]
     specs.append(TopicSpec(t.responses, t.response_partitions, t.replication_factor, dict(t.response_config), "responses"))
     specs.append(TopicSpec(t.dlq, t.dlq_partitions, t.replication_factor, dict(t.dlq_config), "dead letters"))
+    specs.append(TopicSpec(t.cancellations, t.cancellation_partitions, t.replication_factor,
+                           dict(t.cancellation_config), "cancellations"))
     return specs
 
 

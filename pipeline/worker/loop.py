@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
+from pipeline.cancellations import CancellationView
 from pipeline.config import Settings
 from pipeline.dlq import H_TRUNCATED, MAX_DEAD_LETTER_BYTES, dead_letter_headers
 from pipeline.errors import BackendError, DecodeError, EncodeError, KafkaOperationError
@@ -55,6 +56,7 @@ class WorkerStats:
     failed: int = 0
     expired: int = 0
     rejected: int = 0
+    cancelled: int = 0
     dead_lettered: int = 0
     delivery_retries: int = 0
     commits: int = 0
@@ -108,6 +110,9 @@ class Worker:
         self._last_commit = time.monotonic()
         self.consumer: Consumer | None = None
         self.producer: Producer | None = None
+        self.cancellations: CancellationView | None = None
+        self._task_of: dict[str, tuple] = {}  # request id → key in _tasks
+        self._cancel_requested: set[tuple] = set()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -141,6 +146,7 @@ class Worker:
             **self._consumer_overrides))
         self.consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
                                 on_lost=self._on_lost)
+        self.cancellations = CancellationView(self.settings)
         log.info("worker %s consuming %s as group %s (backend %s, max in flight %d)",
                  self.worker_id, ", ".join(self.topics), self.group_id, self.backend.name, cfg.max_inflight)
         up = self.metrics.up.labels(self.metrics.pool)
@@ -169,6 +175,8 @@ class Worker:
                 self._reapply_pauses()
             for msg in msgs:
                 take(msg)
+            for request_id in self.cancellations.poll():
+                self._cancel_in_flight(request_id)
             dispatched = dispatch()
             self._pause_full_bands()
             producer.poll(0)
@@ -291,6 +299,10 @@ class Worker:
             self._respond(tp, offset, Response.for_request(
                 request, Status.REJECTED, reason=invalid, worker_id=self.worker_id, metadata=_trace(request)))
             return
+        cancelled = self.cancellations.reason(request.request_id) if self.cancellations is not None else None
+        if cancelled is not None:
+            self._respond_cancelled(tp, offset, request, started, cancelled)
+            return
         if request.created_at + request.timeout_ms <= started:
             self.stats.expired += 1
             self.metrics.outcome(band, "expired")
@@ -306,6 +318,21 @@ class Worker:
         else:
             self._tasks[(tp, offset)] = asyncio.get_running_loop().create_task(
                 self._call_backend(tp, offset, request, started))
+            self._task_of[request.request_id] = (tp, offset)
+
+    def _cancel_in_flight(self, request_id: str) -> None:
+        key = self._task_of.get(request_id)
+        task = self._tasks.get(key) if key is not None else None
+        if task is not None and not task.done():
+            self._cancel_requested.add(key)
+            task.cancel()
+
+    def _respond_cancelled(self, tp, offset: int, request: Request, started: int, reason: str) -> None:
+        self.stats.cancelled += 1
+        self.metrics.outcome(request.priority._value_, "cancelled")
+        self._respond(tp, offset, Response.for_request(
+            request, Status.CANCELLED, reason=f"cancelled: {reason}", worker_id=self.worker_id, started_at=started,
+            metadata=_trace(request)))
 
     def _duplicate(self, request_id: str) -> str | None:
         seen = self._seen
@@ -323,6 +350,11 @@ class Worker:
         try:
             completion = await self.backend.complete(request)
         except asyncio.CancelledError:
+            if (tp, offset) in self._cancel_requested:  # the client cancelled it: answer that
+                self._cancel_requested.discard((tp, offset))
+                self._respond_cancelled(tp, offset, request, started,
+                                        self.cancellations.reason(request.request_id) or "cancelled")
+                return
             # Handed back (shutdown or revocation): the offset stays uncommitted, so the
             # partition's next owner runs the request.
             raise
@@ -345,6 +377,7 @@ class Worker:
         finally:
             self.metrics.inflight_child.dec()
             self._tasks.pop((tp, offset), None)
+            self._task_of.pop(request.request_id, None)
             self._slot_free.set()
 
     def _respond_completed(self, tp, offset: int, request: Request, started: int, c: Completion,
@@ -553,6 +586,8 @@ class Worker:
         if self.producer is not None:
             self.producer.flush(10)
             self.producer = None
+        if self.cancellations is not None:
+            self.cancellations.close()
         log.info("worker %s stopped: %s", self.worker_id, self.stats)
 
 

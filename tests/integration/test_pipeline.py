@@ -186,3 +186,28 @@ def test_the_openai_http_backend_serves_through_the_worker_and_failures_end_fail
     assert (ok.prompt_tokens, ok.completion_tokens) == (7, 3)
     assert bad.status is Status.FAILED
     assert bad.reason.startswith("backend_error: HTTP 503") and "after 2 attempts" in bad.reason
+
+
+def test_cancelled_requests_are_answered_cancelled_queued_or_in_flight(settings):
+    import time
+
+    from pipeline.worker.backends.simulated import SimulatedBackend
+
+    settings.worker.max_inflight = 1
+    with running_worker(settings, SimulatedBackend(latency_ms=3000)) as worker, LlmqClient(settings) as client:
+        time.sleep(3)  # joined, cancellation view caught up
+        running = Request.new("tenant-c", "long one")
+        queued = Request.new("tenant-c", "behind it")
+        client.submit(running)
+        client.submit(queued)
+        time.sleep(0.8)  # `running` is in the model, `queued` waits for the single slot
+        started = time.monotonic()
+        client.cancel(running.request_id, "user closed the tab")
+        client.cancel(queued.request_id)
+        first = client.result(running.request_id, timeout=10)
+        elapsed = time.monotonic() - started
+        second = client.result(queued.request_id, timeout=10)
+        assert worker.stats.cancelled == 2
+    assert first.status is Status.CANCELLED and first.reason == "cancelled: user closed the tab"
+    assert elapsed < 2.0  # the 3 s model call was cut short
+    assert second.status is Status.CANCELLED and second.output is None
