@@ -105,7 +105,7 @@ def cmd_worker(args) -> int:
     settings = _settings(args)
     w = settings.worker
     for name in ("sim_latency_ms", "sim_ms_per_token", "max_inflight", "group_id", "worker_id", "metrics_port",
-                 "metrics_addr", "pool", "backend", "openai_base_url"):
+                 "metrics_addr", "pool", "backend", "openai_base_url", "delivery"):
         value = getattr(args, name)
         if value is not None:
             setattr(w, name, value)
@@ -224,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "worker.shutdown_grace_s, commits and leaves the group.")
     p.add_argument("--pool", help="realtime (CRITICAL+HIGH), async (NORMAL+LOW), background or all (default); "
                                   "a pool is its own consumer group, llmq-pool-<name>")
+    p.add_argument("--delivery", choices=["at-least-once", "exactly-once"],
+                   help="at-least-once (default) or exactly-once (transactions; read responses read_committed)")
     p.add_argument("--backend", choices=["simulated", "openai"], help="model backend (default simulated)")
     p.add_argument("--openai-base-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1 (vLLM); "
                                              "API key from LLMQ_WORKER__OPENAI_API_KEY(_FILE)")

@@ -227,6 +227,11 @@ class WorkerSettings:
     max_poll_interval_ms: int = 300_000
     #: How long a silent (crashed, frozen) worker keeps its partitions before the group moves them.
     session_timeout_ms: int = 45_000
+    #: "at-least-once" (commit after the broker acknowledged each response) or "exactly-once"
+    #: (responses and offsets in one transaction per commit interval; read responses with
+    #: isolation.level=read_committed).
+    delivery: str = "at-least-once"
+    transaction_timeout_ms: int = 60_000
     #: Minimum share of a worker's dispatches each lower band keeps while higher bands are busy
     #: (anti-starvation); the rest goes strictly by priority.
     band_min_share: dict[str, float] = field(default_factory=lambda: {
@@ -366,6 +371,9 @@ class Settings:
         if sum(shares.values()) >= 1:
             raise ConfigError("worker.band_min_share", "the minimum shares must add up to less than 1")
         self.worker.band_min_share = shares
+        if self.worker.delivery not in ("at-least-once", "exactly-once"):
+            raise ConfigError("worker.delivery", "must be 'at-least-once' or 'exactly-once'")
+        positive("worker.transaction_timeout_ms", self.worker.transaction_timeout_ms)
         if self.worker.pool not in DEFAULT_POOLS:
             raise ConfigError("worker.pool", f"unknown pool {self.worker.pool!r} (known: {', '.join(DEFAULT_POOLS)})")
         if self.worker.backend not in ("simulated", "openai"):

@@ -113,6 +113,11 @@ class Worker:
         self.cancellations: CancellationView | None = None
         self._task_of: dict[str, tuple] = {}  # request id → key in _tasks
         self._cancel_requested: set[tuple] = set()
+        # Exactly-once: outcomes wait here until their partition's contiguous prefix reaches
+        # them, then go out in one transaction with the offsets that cover them.
+        self.exactly_once = self.cfg.delivery == "exactly-once"
+        self._ready: dict[tuple, dict[int, tuple]] = {}
+        self._restart = False
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -131,19 +136,46 @@ class Worker:
         return self.stats
 
     async def _main(self) -> None:
+        while True:
+            await self._session()
+            if not self._restart or self._stop.is_set() or self._fatal is not None:
+                return
+            # A transaction was aborted or the producer fenced: start over from the committed
+            # offsets with fresh clients (the consumer does not rewind by itself).
+            log.warning("restarting from the last committed offsets")
+            self._reset()
+
+    def _reset(self) -> None:
+        self._restart = False
+        self.tracker = OffsetTracker()
+        self._backlog = [deque() for _ in Priority]
+        self._ready.clear()
+        self._tasks.clear()
+        self._task_of.clear()
+        self._seen.clear()
+        self._paused_bands.clear()
+        self._paused = False
+
+    async def _session(self) -> None:
         cfg = self.cfg
-        self.producer = Producer(self.settings.kafka.producer_config(
-            **{"client.id": f"llmq-worker-{self.worker_id}",
-               # room for a dead letter of the largest request the broker accepts, plus headers
-               "message.max.bytes": MAX_DEAD_LETTER_BYTES + 65536},
-            **self._producer_overrides))
+        producer_conf = {"client.id": f"llmq-worker-{self.worker_id}",
+                         # room for a dead letter of the largest request the broker accepts, plus headers
+                         "message.max.bytes": MAX_DEAD_LETTER_BYTES + 65536}
+        consumer_conf = {"client.id": f"llmq-worker-{self.worker_id}",
+                         "max.poll.interval.ms": cfg.max_poll_interval_ms,
+                         "session.timeout.ms": cfg.session_timeout_ms,
+                         "on_commit": self._on_commit}
+        if self.exactly_once:
+            # A stable id per worker: a restarted worker fences its predecessor and aborts its
+            # open transaction at once instead of after transaction.timeout.ms.
+            producer_conf.update({"transactional.id": f"llmq-worker-{self.group_id}-{self.worker_id}",
+                                  "transaction.timeout.ms": cfg.transaction_timeout_ms})
+            consumer_conf["isolation.level"] = "read_committed"
+        self.producer = Producer(self.settings.kafka.producer_config(**producer_conf, **self._producer_overrides))
+        if self.exactly_once:
+            self.producer.init_transactions(30)
         self.consumer = Consumer(self.settings.kafka.consumer_config(
-            self.group_id,
-            **{"client.id": f"llmq-worker-{self.worker_id}",
-               "max.poll.interval.ms": cfg.max_poll_interval_ms,
-               "session.timeout.ms": cfg.session_timeout_ms,
-               "on_commit": self._on_commit},
-            **self._consumer_overrides))
+            self.group_id, **consumer_conf, **self._consumer_overrides))
         self.consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
                                 on_lost=self._on_lost)
         self.cancellations = CancellationView(self.settings)
@@ -153,7 +185,12 @@ class Worker:
         up.set(1)
         try:
             await self._consume_until_stopped()
-            await self._drain(cfg.shutdown_grace_s)
+            if not self._restart:
+                await self._drain(cfg.shutdown_grace_s)
+            else:
+                for task in list(self._tasks.values()):
+                    task.cancel()
+                await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         finally:
             up.set(0)
             self._close()
@@ -165,7 +202,7 @@ class Worker:
         commit_every = cfg.commit_interval_ms / 1000.0
         batch = cfg.batch_size
         take, dispatch = self._take, self._dispatch
-        while not self._stop.is_set() and self._fatal is None:
+        while not self._stop.is_set() and self._fatal is None and not self._restart:
             now = time.monotonic()
             # Always poll: it serves rebalances and keeps max.poll.interval.ms satisfied, even
             # while every backend slot is busy (full bands are paused, so nothing piles up).
@@ -404,8 +441,15 @@ class Worker:
             # An answer over the size caps (say, a runaway model output) must still end in a
             # response: a FAILED one without the output.
             value = self._fallback(response, f"response_too_large: {exc}")
-        self._produce(self.responses_topic, value, response.tenant_id.encode(), None,
-                      functools.partial(self._delivered, tp, offset))
+        self._emit(tp, offset, self.responses_topic, value, response.tenant_id.encode(), None)
+
+    def _emit(self, tp, offset: int, topic: str, value, key, headers) -> None:
+        """Publish the one outcome of the message at ``tp``/``offset``."""
+        if self.exactly_once:
+            self._ready.setdefault(tp, {})[offset] = (topic, value, key, headers)
+            self.tracker.finished(tp, offset)
+        else:
+            self._produce(topic, value, key, headers, functools.partial(self._delivered, tp, offset))
 
     def _fallback(self, response: Response, reason: str) -> bytes:
         log.warning("request %s answered FAILED: %s", response.request_id, reason)
@@ -424,7 +468,7 @@ class Worker:
         self.metrics.outcome(self._topic_band.get(tp[0], "UNKNOWN"), "dead_lettered")
         log.warning("dead-lettering %s[%d]@%d: %s", tp[0], tp[1], offset, error)
         headers = dead_letter_headers(tp[0], tp[1], offset, reason, error, "worker", msg.headers())
-        self._produce(self.dlq_topic, msg.value(), msg.key(), headers, functools.partial(self._delivered, tp, offset))
+        self._emit(tp, offset, self.dlq_topic, msg.value(), msg.key(), headers)
 
     def _produce(self, topic: str, value, key, headers, on_delivery) -> None:
         while True:
@@ -478,6 +522,9 @@ class Worker:
 
     def _commit(self, asynchronous: bool, only: set | None = None) -> None:
         self._last_commit = time.monotonic()
+        if self.exactly_once:
+            self._commit_transaction()
+            return
         positions = self.tracker.to_commit(only)
         if not positions:
             return
@@ -494,6 +541,38 @@ class Worker:
         self.stats.commits += 1
         if not asynchronous:
             self.metrics.last_commit.labels(self.metrics.pool).set(time.time())
+
+    def _commit_transaction(self) -> None:
+        """One transaction: the outcomes covered by each partition's new position, and the positions."""
+        if self._restart or self.consumer is None:
+            return
+        positions = self.tracker.to_commit()
+        if not positions:
+            return
+        producer = self.producer
+        try:
+            producer.begin_transaction()
+            for tp, position in positions:
+                ready = self._ready.get(tp, {})
+                for off in sorted(o for o in ready if o < position):
+                    topic, value, key, headers = ready.pop(off)
+                    self._produce(topic, value, key, headers, None)
+            producer.send_offsets_to_transaction(
+                [TopicPartition(t, p, pos) for (t, p), pos in positions], self.consumer.consumer_group_metadata(), 30)
+            producer.commit_transaction(30)
+        except KafkaException as exc:
+            err = exc.args[0]
+            log.warning("transaction failed (%s); aborting and restarting from committed offsets", err)
+            if not err.fatal():
+                try:
+                    producer.abort_transaction(30)
+                except KafkaException as abort_exc:
+                    log.warning("abort failed too: %s", abort_exc)
+            self._restart = True
+            return
+        self.tracker.mark_committed(positions)
+        self.stats.commits += 1
+        self.metrics.last_commit.labels(self.metrics.pool).set(time.time())
 
     def _on_commit(self, err, partitions) -> None:
         if err is None:
@@ -576,7 +655,7 @@ class Worker:
 
     def _close(self) -> None:
         if self.consumer is not None:
-            if self._fatal is None:
+            if self._fatal is None and not self._restart:
                 self._commit(asynchronous=False)
             try:
                 self.consumer.close()  # leaves the group now instead of after session timeout
@@ -588,6 +667,7 @@ class Worker:
             self.producer = None
         if self.cancellations is not None:
             self.cancellations.close()
+            self.cancellations = None
         log.info("worker %s stopped: %s", self.worker_id, self.stats)
 
 

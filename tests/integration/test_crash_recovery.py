@@ -24,8 +24,10 @@ def _worker(settings, *extra: str) -> subprocess.Popen:
            "LLMQ_WORKER__METRICS_PORT": "0",
            # the killed worker's partitions move after this, not after the 45 s default
            "LLMQ_WORKER__SESSION_TIMEOUT_MS": "6000"}
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "WARNING", "worker", *extra],
-                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level",
+                             os.environ.get("LLMQ_TEST_WORKER_LOG", "WARNING"), "worker", *extra],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE,
                             text=True)
 
 

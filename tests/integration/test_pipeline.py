@@ -211,3 +211,27 @@ def test_cancelled_requests_are_answered_cancelled_queued_or_in_flight(settings)
     assert first.status is Status.CANCELLED and first.reason == "cancelled: user closed the tab"
     assert elapsed < 2.0  # the 3 s model call was cut short
     assert second.status is Status.CANCELLED and second.output is None
+
+
+def test_exactly_once_mode_publishes_each_response_once_with_its_offsets(settings):
+    from tests.integration.harness import read_topic
+
+    settings.worker.delivery = "exactly-once"
+    settings.worker.max_inflight = 16
+    from pipeline.worker.backends.simulated import SimulatedBackend
+
+    reqs = [Request.new(f"tenant-{i % 4}", f"eos {i}", priority=list(Priority)[i % 5]) for i in range(300)]
+    with LlmqClient(settings, listen=False) as client:
+        for fut in [client.submit_nowait(r, track=False) for r in reqs]:
+            fut.result(30)
+    with running_worker(settings, SimulatedBackend(latency_ms=5)) as worker:
+        msgs = read_topic(settings.kafka.bootstrap, settings.topics.responses, timeout=60,
+                          until=lambda ms: len(ms) >= len(reqs))
+        assert worker.stats.commits >= 1
+    ids = [Codec.default().decode_response(m.value()).request_id for m in msgs]
+    assert sorted(ids) == sorted(r.request_id for r in reqs)  # read_committed: each exactly once
+    topics = settings.topics.request_topics
+    committed = committed_offsets(settings.kafka.bootstrap, settings.worker.group_id, topics)
+    for tp, end in end_offsets(settings.kafka.bootstrap, topics).items():
+        if end:
+            assert committed[tp] == end
