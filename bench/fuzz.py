@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from pipeline.config import Settings  # noqa: E402
 from pipeline.models import Priority, Request, Status, TaskTier, now_ms  # noqa: E402
 from pipeline.serde import SchemaStore  # noqa: E402
+from pipeline.testing import FakeMessage  # noqa: E402
 from pipeline.worker.backends.simulated import SimulatedBackend  # noqa: E402
 from pipeline.worker.loop import Worker  # noqa: E402
 
@@ -119,35 +120,6 @@ def raw_message(revision: int, values: dict) -> bytes:
 
 
 # -- the target ----------------------------------------------------------------------------------
-
-
-class FakeMessage:
-    __slots__ = ("_topic", "_partition", "_offset", "_value", "_key", "_headers")
-
-    def __init__(self, topic, partition, offset, value, key=None, headers=None):
-        self._topic, self._partition, self._offset = topic, partition, offset
-        self._value, self._key, self._headers = value, key, headers
-
-    def error(self):
-        return None
-
-    def topic(self):
-        return self._topic
-
-    def partition(self):
-        return self._partition
-
-    def offset(self):
-        return self._offset
-
-    def value(self):
-        return self._value
-
-    def key(self):
-        return self._key
-
-    def headers(self):
-        return self._headers
 
 
 class FakeProducer:

@@ -21,6 +21,7 @@ from pipeline.config import Settings
 from pipeline.errors import DecodeError, EncodeError
 from pipeline.models import Priority, Request, Status, TaskTier, now_ms
 from pipeline.serde import Codec, SchemaStore
+from pipeline.testing import FakeMessage
 from pipeline.worker.backends.simulated import SimulatedBackend
 from pipeline.worker.loop import Worker
 
@@ -83,35 +84,6 @@ def raw_message(revision: int, values: dict) -> bytes:
 
 
 # -- the worker under test ---------------------------------------------------------------------------
-
-
-class FakeMessage:
-    __slots__ = ("_topic", "_partition", "_offset", "_value", "_key", "_headers")
-
-    def __init__(self, topic, partition, offset, value, key=None, headers=None):
-        self._topic, self._partition, self._offset = topic, partition, offset
-        self._value, self._key, self._headers = value, key, headers
-
-    def error(self):
-        return None
-
-    def topic(self):
-        return self._topic
-
-    def partition(self):
-        return self._partition
-
-    def offset(self):
-        return self._offset
-
-    def value(self):
-        return self._value
-
-    def key(self):
-        return self._key
-
-    def headers(self):
-        return self._headers
 
 
 class FakeProducer:
