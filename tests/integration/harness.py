@@ -78,18 +78,21 @@ def read_topic(bootstrap: str, topic: str, *, until=None, timeout: float = 30.0,
         consumer.assign(parts)
         highs = {p.partition: consumer.get_watermark_offsets(TopicPartition(topic, p.partition), timeout=10)[1]
                  for p in parts}
-        out, positions = [], {p: 0 for p in highs}
+        out = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for msg in consumer.consume(1000, 0.2):
                 if msg.error() is None:
                     out.append(msg)
-                    positions[msg.partition()] = msg.offset() + 1
             if until is not None:
                 if until(out):
                     return out
-            elif all(positions[p] >= highs[p] for p in highs):
-                return out
+            else:
+                # The consumer's position, not the last message's offset: transaction markers
+                # occupy offsets that are never returned as messages.
+                positions = {tp.partition: tp.offset for tp in consumer.position(parts)}
+                if all(highs[p] == 0 or positions.get(p, -1) >= highs[p] for p in highs):
+                    return out
         if until is not None:
             raise AssertionError(f"condition on {topic} not met within {timeout}s ({len(out)} messages read)")
         return out

@@ -110,3 +110,33 @@ def test_a_model_call_longer_than_max_poll_interval_neither_evicts_nor_redeliver
         rebalances = worker.stats.rebalances
     assert ids == [req.request_id]  # answered once: no eviction, no redelivery
     assert rebalances == 1  # the initial assignment only
+
+
+def test_exactly_once_mode_sigkill_mid_load_then_restart_has_no_loss_and_no_duplicates(settings):
+    total = 2000
+    reqs = [Request.new(f"tenant-{i % 7}", f"eos {i}", priority=list(Priority)[i % 5], max_tokens=8,
+                        timeout_ms=600_000) for i in range(total)]
+    with LlmqClient(settings, listen=False) as client:
+        for fut in [client.submit_nowait(r, track=False) for r in reqs]:
+            fut.result(30)
+    args = ("--delivery", "exactly-once", "--worker-id", "eos-worker", "--sim-latency-ms", "20", "--max-inflight", "16")
+    worker = _worker(settings, *args)
+    _response_ids(settings, until=lambda n: n >= total // 3, timeout=120)
+    worker.send_signal(signal.SIGKILL)
+    worker.wait(10)
+    # Same worker id → same transactional id: the new producer fences the old one and aborts
+    # its open transaction at once, so read_committed readers are not held up.
+    restarted = _worker(settings, *args)
+    try:
+        ids = _response_ids(settings, timeout=180, until=lambda n: n >= total)
+        time.sleep(2)
+        ids = _response_ids(settings)
+    finally:
+        restarted.send_signal(signal.SIGTERM)
+        assert restarted.wait(30) == 0, restarted.stderr.read()
+    counts = collections.Counter(ids)
+    missing = {r.request_id for r in reqs} - set(counts)
+    duplicates = sum(c - 1 for c in counts.values())
+    print(f"\nexactly-once, kill -9 at a third of {total}: missing={len(missing)} duplicates={duplicates}")
+    assert not missing
+    assert duplicates == 0
