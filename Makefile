@@ -10,6 +10,7 @@ help:
 	@echo "make demo   - set up, start a local Kafka, run workers and a mixed load, print a summary"
 	@echo "make test   - set up, then the whole test suite (starts and stops its own broker)"
 	@echo "make bench  - set up, run the benchmark scenarios, write bench/results.json"
+	@echo "make chaos  - set up, run the fault harness (kills, broker restart) in both delivery modes"
 	@echo "make setup  - create .venv, install llmq into it, fetch the Kafka jars and promtool (cached)"
 
 setup: $(VENV)/.installed
@@ -39,6 +40,12 @@ integration: setup
 
 bench: setup
 	$(BIN)/python bench/run.py
+
+# Fault harness: worker SIGKILL x3, a broker restart, a frozen worker, calls longer than
+# max.poll.interval.ms, in both delivery modes; writes bench/chaos.json (about 5 minutes).
+.PHONY: chaos
+chaos: setup
+	$(BIN)/python bench/chaos.py
 
 # Mutation fuzzer over the worker's admission path (no broker); writes bench/fuzz.json.
 .PHONY: fuzz

@@ -16,7 +16,9 @@ import json
 import os
 import platform
 import socket
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -127,11 +129,7 @@ def scenario_worker_throughput(settings: Settings, args) -> dict:
     n = args.messages
     _log(f"worker_throughput: filling {n:,} requests ({args.prompt_bytes} B prompts)")
     _fill_requests(settings, n, args.prompt_bytes)
-    out_topic = f"{settings.topics.prefix}.raw-out"
-    admin_settings = settings.kafka.admin_config()
-    from confluent_kafka.admin import AdminClient
-
-    ensure_topics(AdminClient(admin_settings), [TopicSpec(out_topic, settings.topics.response_partitions, 1)])
+    out_topic = _raw_out_topic(settings)
     raw, pipe = [], []
     # An untimed pass first: the broker's JIT and page cache warm up on someone else's round.
     _log("  warm-up pass (not counted)")
@@ -146,7 +144,171 @@ def scenario_worker_throughput(settings: Settings, args) -> dict:
             "pipeline_runs": [round(x) for x in pipe]}
 
 
-SCENARIOS = {"worker_throughput": scenario_worker_throughput}
+# -- worker_exactly_once ----------------------------------------------------------------------
+
+
+def raw_transactional_passthrough(settings: Settings, n: int, out_topic: str) -> float:
+    """The exactly-once baseline: consume → produce the same bytes, and every commit interval one
+    transaction with the consumer's positions. No decoding, no per-message bookkeeping."""
+    group = f"bench-rawtx-{uuid.uuid4().hex[:8]}"
+    consumer = Consumer(settings.kafka.consumer_config(group, **{"isolation.level": "read_committed"}))
+    producer = Producer(settings.kafka.producer_config(**{"transactional.id": group}))
+    producer.init_transactions(30)
+    consumer.subscribe(settings.topics.request_topics)
+    interval = settings.worker.commit_interval_ms / 1000
+    committed = 0
+    pending = 0
+    t0 = None
+    t_last = 0.0
+    try:
+        producer.begin_transaction()
+        last_commit = time.monotonic()
+        while committed < n:
+            msgs = consumer.consume(500, 0.005)
+            if msgs and t0 is None:
+                t0 = time.perf_counter()
+            for m in msgs:
+                if m.error() is None:
+                    producer.produce(out_topic, m.value(), m.key())
+                    pending += 1
+            producer.poll(0)
+            if pending and time.monotonic() - last_commit > interval:
+                producer.send_offsets_to_transaction(consumer.position(consumer.assignment()),
+                                                     consumer.consumer_group_metadata(), 30)
+                producer.commit_transaction(30)
+                committed += pending
+                pending = 0
+                t_last = time.perf_counter()
+                producer.begin_transaction()
+                last_commit = time.monotonic()
+        producer.abort_transaction(30)
+    finally:
+        consumer.close()
+    return committed / (t_last - t0)
+
+
+def scenario_worker_exactly_once(settings: Settings, args) -> dict:
+    n = args.messages
+    _log(f"worker_exactly_once: filling {n:,} requests ({args.prompt_bytes} B prompts)")
+    _fill_requests(settings, n, args.prompt_bytes)
+    out_topic = _raw_out_topic(settings)
+    raw, raw_alo, pipe = [], [], []
+    _log("  warm-up pass (not counted)")
+    raw_transactional_passthrough(settings, n, out_topic)
+    for r in range(args.rounds):
+        raw.append(raw_transactional_passthrough(settings, n, out_topic))
+        raw_alo.append(raw_passthrough(settings, n, out_topic))
+        settings.worker.delivery = "exactly-once"
+        settings.worker.worker_id = f"bench-eos-{uuid.uuid4().hex[:6]}"
+        pipe.append(pipeline_worker(settings, n))
+        _log(f"  round {r + 1}/{args.rounds}: raw transactional {raw[-1]:,.0f} msg/s   raw at-least-once "
+             f"{raw_alo[-1]:,.0f} msg/s   pipeline exactly-once {pipe[-1]:,.0f} msg/s")
+    raw_m, alo_m, pipe_m = statistics.median(raw), statistics.median(raw_alo), statistics.median(pipe)
+    return {"raw_msgs_per_s": round(raw_m), "pipeline_msgs_per_s": round(pipe_m), "ratio": round(pipe_m / raw_m, 3),
+            "baseline": "raw confluent-kafka transactional passthrough, one transaction per commit interval",
+            "commit_interval_ms": settings.worker.commit_interval_ms,
+            "raw_at_least_once_msgs_per_s": round(alo_m), "ratio_vs_raw_at_least_once": round(pipe_m / alo_m, 3),
+            "rounds": args.rounds, "messages": n, "raw_runs": [round(x) for x in raw],
+            "pipeline_runs": [round(x) for x in pipe]}
+
+
+# -- worker_scaling ---------------------------------------------------------------------------
+
+
+def _group_members(settings: Settings, group: str) -> int:
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient(settings.kafka.admin_config())
+    desc = admin.describe_consumer_groups([group])[group].result(10)
+    if str(desc.state).split(".")[-1] != "STABLE":
+        return 0
+    return sum(1 for m in desc.members if m.assignment.topic_partitions)
+
+
+def _worker_processes(settings: Settings, count: int, n: int, prompt_bytes: int) -> float:
+    """``count`` worker processes in one group, joined before any request exists; the rate is
+    n / (last response − first response), from the responses' broker timestamps."""
+    group = f"bench-scale-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "LLMQ_BOOTSTRAP": settings.kafka.bootstrap, "LLMQ_TOPICS__PREFIX": settings.topics.prefix,
+           "LLMQ_WORKER__GROUP_ID": group, "LLMQ_WORKER__METRICS_PORT": "0"}
+    procs = [subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "WARNING", "worker",
+                               "--worker-id", f"{group}-{i}"], env=env, stdin=subprocess.DEVNULL)
+             for i in range(count)]
+    try:
+        deadline = time.monotonic() + 60
+        while _group_members(settings, group) < count:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"{count} workers did not join group {group}")
+            time.sleep(0.5)
+        _fill_requests(settings, n, prompt_bytes)
+        return n / _response_span_s(settings, n)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(60)
+
+
+def _response_span_s(settings: Settings, n: int, timeout: float = 300.0) -> float:
+    from confluent_kafka import OFFSET_BEGINNING
+
+    topic = settings.topics.responses
+    consumer = Consumer({"bootstrap.servers": settings.kafka.bootstrap, "group.id": f"bench-span-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "enable.partition.eof": False})
+    try:
+        parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
+        first, last, seen = None, None, 0
+        deadline = time.monotonic() + timeout
+        while seen < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {seen:,} of {n:,} responses within {timeout:.0f} s")
+            for m in consumer.consume(1000, 0.5):
+                if m.error() is None:
+                    seen += 1
+                    ts = m.timestamp()[1]
+                    first = ts if first is None else min(first, ts)
+                    last = ts if last is None else max(last, ts)
+        return max(last - first, 1) / 1000
+    finally:
+        consumer.close()
+
+
+def scenario_worker_scaling(settings: Settings, args) -> dict:
+    n = args.messages
+    one, two = [], []
+    for r in range(args.rounds):
+        for count, into in ((1, one), (2, two)):
+            # Fresh topics each time: each run's responses are only its own.
+            settings.topics.prefix = f"bench{uuid.uuid4().hex[:6]}.llm"
+            create_pipeline_topics(settings)
+            into.append(_worker_processes(settings, count, n, args.prompt_bytes))
+        _log(f"  round {r + 1}/{args.rounds}: one worker {one[-1]:,.0f} msg/s   two workers {two[-1]:,.0f} msg/s")
+    one_m, two_m = statistics.median(one), statistics.median(two)
+    return {"one_worker_msgs_per_s": round(one_m), "two_workers_msgs_per_s": round(two_m),
+            "ratio": round(two_m / one_m, 3), "cpus": os.cpu_count(), "rounds": args.rounds, "messages": n,
+            "one_worker_runs": [round(x) for x in one], "two_workers_runs": [round(x) for x in two],
+            "note": "worker processes and the broker share the machine's cores"}
+
+
+def _raw_out_topic(settings: Settings) -> str:
+    from confluent_kafka.admin import AdminClient
+
+    out_topic = f"{settings.topics.prefix}.raw-out"
+    ensure_topics(AdminClient(settings.kafka.admin_config()),
+                  [TopicSpec(out_topic, settings.topics.response_partitions, 1)])
+    return out_topic
+
+
+SCENARIOS = {"worker_throughput": scenario_worker_throughput, "worker_exactly_once": scenario_worker_exactly_once,
+             "worker_scaling": scenario_worker_scaling}
+
+# Which figure is llmq's, which the baseline's, and what the ratio compares, for the table.
+TABLE = {
+    "worker_throughput": ("pipeline_msgs_per_s", "raw_msgs_per_s", "worker vs raw passthrough"),
+    "worker_exactly_once": ("pipeline_msgs_per_s", "raw_msgs_per_s", "exactly-once worker vs raw transactional"),
+    "worker_scaling": ("two_workers_msgs_per_s", "one_worker_msgs_per_s", "two worker processes vs one"),
+}
 
 
 def _conditions(args, kafka_version: str) -> dict:
@@ -198,11 +360,10 @@ def main(argv=None) -> int:
     existing["conditions"] = _conditions(args, base.broker.kafka_version)
     RESULTS.write_text(json.dumps(existing, indent=2) + "\n")
 
-    print(f"\n{'scenario':<20} {'llmq':>14} {'baseline':>14} {'ratio':>7}")
+    print(f"\n{'scenario':<20} {'llmq':>14} {'baseline':>14} {'ratio':>7}   compared")
     for name, r in results.items():
-        llmq = r.get("pipeline_msgs_per_s")
-        base_v = r.get("raw_msgs_per_s")
-        print(f"{name:<20} {llmq:>10,} /s {base_v:>10,} /s {r['ratio']:>7.3f}")
+        llmq_key, base_key, what = TABLE[name]
+        print(f"{name:<20} {r[llmq_key]:>10,} /s {r[base_key]:>10,} /s {r['ratio']:>7.3f}   {what}")
     print(f"\n(medians of {args.rounds} alternating rounds; written to {RESULTS.relative_to(ROOT)})")
     return 0
 

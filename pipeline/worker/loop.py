@@ -61,7 +61,7 @@ class WorkerStats:
     delivery_retries: int = 0
     commits: int = 0
     rebalances: int = 0
-    delivered: int = 0  # responses and dead letters the broker acknowledged
+    delivered: int = 0  # responses and dead letters the broker acknowledged (exactly-once: committed)
     first_consumed_at: float = 0.0  # time.perf_counter() of the first message
     last_delivered_at: float = 0.0
 
@@ -118,6 +118,9 @@ class Worker:
         self.exactly_once = self.cfg.delivery == "exactly-once"
         self._ready: dict[tuple, dict[int, tuple]] = {}
         self._restart = False
+        # A transactional call may block the poll loop this long: well inside max.poll.interval.ms,
+        # so a slow commit (broker restarting) never evicts the worker from its group.
+        self._txn_call_budget_s = min(30.0, max(1.0, self.cfg.max_poll_interval_ms / 1000 / 3))
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -202,8 +205,21 @@ class Worker:
         commit_every = cfg.commit_interval_ms / 1000.0
         batch = cfg.batch_size
         take, dispatch = self._take, self._dispatch
+        session_s = cfg.session_timeout_ms / 1000.0
+        last_turn = time.monotonic()
+        hold_until = 0.0
         while not self._stop.is_set() and self._fatal is None and not self._restart:
             now = time.monotonic()
+            if now - last_turn > session_s:
+                # Frozen (SIGSTOP, a VM pause, a long GC) past the session timeout: the group
+                # has most likely given our partitions away. Start nothing new until librdkafka
+                # has told us (on_lost / on_revoke drop that work); a zombie answering its
+                # whole backlog would only make duplicates.
+                log.warning("this worker stood still for %.1f s, longer than session.timeout.ms; holding new work "
+                            "for %.0f s until the group says which partitions are still ours",
+                            now - last_turn, _FROZEN_HOLD_S)
+                hold_until = now + _FROZEN_HOLD_S
+            last_turn = now
             # Always poll: it serves rebalances and keeps max.poll.interval.ms satisfied, even
             # while every backend slot is busy (full bands are paused, so nothing piles up).
             msgs = consumer.consume(batch, 0)
@@ -214,7 +230,7 @@ class Worker:
                 take(msg)
             for request_id in self.cancellations.poll():
                 self._cancel_in_flight(request_id)
-            dispatched = dispatch()
+            dispatched = dispatch() if now >= hold_until else 0
             self._pause_full_bands()
             producer.poll(0)
             if now - self._last_commit >= commit_every:
@@ -277,15 +293,25 @@ class Worker:
                 self.consumer.resume(parts)
 
     def _reapply_pauses(self) -> None:
-        """Pauses do not survive a rebalance: apply them to whatever is assigned now."""
+        """Make librdkafka's pause flags match ours for whatever is assigned now.
+
+        Both directions matter: a newly assigned partition starts unpaused, but one that comes
+        back after being revoked or lost keeps the flag it had (librdkafka remembers it per
+        partition), and a band resumed while it was away must not stay paused forever.
+        """
         assignment = self.consumer.assignment()
-        if self._paused:
-            if assignment:
-                self.consumer.pause(assignment)
+        if not assignment:
             return
-        parts = [tp for tp in assignment if self._rank.get(tp.topic, 4) in self._paused_bands]
-        if parts:
-            self.consumer.pause(parts)
+        if self._paused:
+            self.consumer.pause(assignment)
+            return
+        paused, running = [], []
+        for tp in assignment:
+            (paused if self._rank.get(tp.topic, 4) in self._paused_bands else running).append(tp)
+        if paused:
+            self.consumer.pause(paused)
+        if running:
+            self.consumer.resume(running)
 
     def _apply_flow_control(self, want_running: bool, force: bool = False) -> None:
         if want_running == (not self._paused) and not force:
@@ -550,6 +576,15 @@ class Worker:
         if not positions:
             return
         producer = self.producer
+        produced = 0
+        offsets = [TopicPartition(t, p, pos) for (t, p), pos in positions]
+        group_metadata = self.consumer.consumer_group_metadata()
+        budget = self._txn_call_budget_s
+
+        def send_offsets_and_commit():
+            producer.send_offsets_to_transaction(offsets, group_metadata, budget)
+            producer.commit_transaction(budget)
+
         try:
             producer.begin_transaction()
             for tp, position in positions:
@@ -557,22 +592,42 @@ class Worker:
                 for off in sorted(o for o in ready if o < position):
                     topic, value, key, headers = ready.pop(off)
                     self._produce(topic, value, key, headers, None)
-            producer.send_offsets_to_transaction(
-                [TopicPartition(t, p, pos) for (t, p), pos in positions], self.consumer.consumer_group_metadata(), 30)
-            producer.commit_transaction(30)
+                    produced += 1
+            _bounded_call(send_offsets_and_commit, budget)
+        except _CallHung:
+            self._abandon_producer("the transaction commit")
+            return
         except KafkaException as exc:
             err = exc.args[0]
             log.warning("transaction failed (%s); aborting and restarting from committed offsets", err)
             if not err.fatal():
                 try:
-                    producer.abort_transaction(30)
+                    _bounded_call(lambda: producer.abort_transaction(budget), budget)
+                except _CallHung:
+                    self._abandon_producer("the transaction abort")
+                    return
                 except KafkaException as abort_exc:
                     log.warning("abort failed too: %s", abort_exc)
             self._restart = True
             return
         self.tracker.mark_committed(positions)
-        self.stats.commits += 1
+        stats = self.stats
+        stats.commits += 1
+        stats.delivered += produced
+        stats.last_delivered_at = time.perf_counter()
         self.metrics.last_commit.labels(self.metrics.pool).set(time.time())
+
+    def _abandon_producer(self, what: str) -> None:
+        """A transactional call outlived its timeout: librdkafka can block forever in
+        send_offsets_to_transaction while the group coordinator is unreachable (librdkafka
+        #5456, #5511). Leave that producer to its stuck thread, never to be flushed or
+        destroyed here, and restart: the next producer, with the same transactional.id,
+        fences it, which aborts its open transaction on the broker."""
+        log.error("%s did not return within %.0f s (broker unreachable?); abandoning the producer and "
+                  "restarting from the committed offsets", what, self._txn_call_budget_s)
+        _ABANDONED_PRODUCERS.append(self.producer)
+        self.producer = None
+        self._restart = True
 
     def _on_commit(self, err, partitions) -> None:
         if err is None:
@@ -608,7 +663,8 @@ class Worker:
                 self._tasks.pop(key, None)
         self._drop_queued(revoked)
         # Publish and acknowledge what is finished, commit it, then let the partitions go.
-        self.producer.flush(10)
+        if self.producer is not None:  # None once abandoned: nothing can be committed then
+            self.producer.flush(10)
         self._commit(asynchronous=False, only=revoked)
         for tp in revoked:
             self.tracker.forget(tp)
@@ -669,6 +725,43 @@ class Worker:
             self.cancellations.close()
             self.cancellations = None
         log.info("worker %s stopped: %s", self.worker_id, self.stats)
+
+
+# After a freeze longer than the session timeout, how long a worker starts no new work: enough
+# for librdkafka to notice the expired session and report the lost partitions.
+_FROZEN_HOLD_S = 4.0
+
+
+class _CallHung(Exception):
+    pass
+
+
+# Producers whose transactional call never returned. Referenced forever: destroying one would
+# block on the same stuck call.
+_ABANDONED_PRODUCERS: list = []
+
+
+def _bounded_call(fn, timeout_s: float):
+    """``fn()`` on a helper thread; raise :class:`_CallHung` if it is still running after
+    ``timeout_s`` (plus a little slack for the call's own timeout to fire first)."""
+    outcome: list = []
+    done = threading.Event()
+
+    def call():
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:  # re-raised on the caller's thread
+            outcome.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name="llmq-txn-call", daemon=True).start()
+    if not done.wait(timeout_s + 2.0):
+        raise _CallHung()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _trace(request: Request) -> dict[str, str]:

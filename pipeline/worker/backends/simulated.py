@@ -11,6 +11,10 @@ from pipeline.worker.backends.base import Completion, estimate_tokens
 _WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
           "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa")
 _VARIANTS = 256
+# A request may ask the simulated model for its own latency (fault injection: `make chaos`
+# sends a call slower than max.poll.interval.ms). Capped, so a client cannot park a worker.
+LATENCY_METADATA_KEY = "sim.latency_ms"
+MAX_REQUESTED_LATENCY_MS = 600_000
 
 
 def _sentence_prefixes(seed: int, length: int) -> tuple[str, ...]:
@@ -45,11 +49,14 @@ class SimulatedBackend:
         return Completion(self._answers[variant][n], estimate_tokens(request.prompt), n, request.model)
 
     def delay_s(self, request: Request) -> float:
+        requested = _requested_latency_ms(request)
+        if requested is not None:
+            return requested / 1000.0
         n = max(1, min(request.max_tokens, self.max_output_tokens))
         return (self.latency_ms + self.ms_per_token * n) / 1000.0
 
     def complete_now(self, request: Request) -> Completion | None:
-        if self.latency_ms == 0 and self.ms_per_token == 0:
+        if self.latency_ms == 0 and self.ms_per_token == 0 and LATENCY_METADATA_KEY not in request.metadata:
             return self._answer(request)
         return None
 
@@ -59,6 +66,19 @@ class SimulatedBackend:
 
     async def close(self) -> None:
         return None
+
+
+def _requested_latency_ms(request: Request) -> float | None:
+    raw = request.metadata.get(LATENCY_METADATA_KEY) if request.metadata else None
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    if not value >= 0:  # also NaN
+        return None
+    return min(value, MAX_REQUESTED_LATENCY_MS)
 
 
 def expected_output(request: Request, max_output_tokens: int = 16) -> str:

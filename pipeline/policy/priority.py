@@ -1,0 +1,57 @@
+"""Effective priority: which band an admitted request is dispatched to. Pure, no I/O.
+
+The seed's SLA rule, generalised: start from the requested band, move by the tenant tier's
+offset, move up one band when the deadline is urgent, move non-critical work down one band
+under high load, and clamp to the five bands. Every move is reported, so a response can say
+why it was served where it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.models import Priority
+
+_BANDS = tuple(Priority)
+
+
+@dataclass(frozen=True)
+class PriorityPolicy:
+    #: Band offset per user tier: negative moves up (toward CRITICAL), positive moves down.
+    tier_offsets: dict[str, int] = field(default_factory=lambda: {"enterprise": -1, "standard": 0, "free": 1})
+    #: A request is urgent when the time left before its deadline is below this many ms, or
+    #: below ``urgent_eta_factor`` × the band's current ETA.
+    urgent_ms: int = 2_000
+    urgent_eta_factor: float = 2.0
+    #: Load (0..1 of measured capacity) above which non-critical requests move down one band.
+    high_load: float = 0.8
+    #: Requests are never moved above this band by tier or urgency (only asked-for CRITICAL is CRITICAL).
+    highest_promoted: Priority = Priority.HIGH
+
+
+@dataclass(frozen=True)
+class PriorityDecision:
+    requested: Priority
+    effective: Priority
+    reasons: tuple[str, ...]
+
+
+def effective_priority(requested: Priority, user_tier: str, time_left_ms: int, eta_ms: float, load: float,
+                       policy: PriorityPolicy) -> PriorityDecision:
+    """The band to dispatch to, and why it differs from ``requested`` (if it does)."""
+    rank = requested.rank
+    reasons = []
+    offset = policy.tier_offsets.get(user_tier, 0)
+    if offset:
+        rank += offset
+        reasons.append(f"tier {user_tier} {'+' if offset < 0 else '-'}{abs(offset)}")
+    if time_left_ms < policy.urgent_ms or time_left_ms < policy.urgent_eta_factor * eta_ms:
+        rank -= 1
+        reasons.append("deadline urgent +1")
+    ceiling = 0 if requested is Priority.CRITICAL else policy.highest_promoted.rank
+    rank = max(rank, ceiling)
+    if load >= policy.high_load and requested is not Priority.CRITICAL and rank > 0:
+        rank += 1
+        reasons.append(f"load {load:.0%} -1")
+    rank = min(max(rank, 0), len(_BANDS) - 1)
+    return PriorityDecision(requested, _BANDS[rank], tuple(reasons))

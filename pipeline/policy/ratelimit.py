@@ -1,0 +1,116 @@
+"""Windowed rate limits per tenant (and per tenant × model): requests AND tokens. Pure, no I/O.
+
+Fixed (tumbling) windows aligned to the epoch, several at once (say per second and per
+minute). A request is admitted only if every applicable limit has room for it, and only then
+is it counted in all of them: no limit is ever exceeded, whatever the order of arrivals. A
+rejection names the limit and says when that window has room again.
+
+The counts live in a plain mapping ``key → [requests, tokens]`` with string keys, so the Faust
+gateway can keep them in a changelog-backed table (they survive a restart) and benchmarks can
+use a dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import MutableMapping
+
+
+@dataclass(frozen=True)
+class WindowLimit:
+    """At most ``requests`` requests and ``tokens`` tokens per ``window_ms`` (0 = no such cap)."""
+
+    name: str
+    window_ms: int
+    requests: int = 0
+    tokens: int = 0
+    #: "tenant" counts per tenant; "tenant_model" per tenant and model.
+    scope: str = "tenant"
+
+    def __post_init__(self):
+        if self.window_ms <= 0:
+            raise ValueError(f"limit {self.name}: window_ms must be > 0")
+        if self.requests < 0 or self.tokens < 0 or (self.requests == 0 and self.tokens == 0):
+            raise ValueError(f"limit {self.name}: set requests and/or tokens > 0")
+        if self.scope not in ("tenant", "tenant_model"):
+            raise ValueError(f"limit {self.name}: scope must be 'tenant' or 'tenant_model'")
+
+
+@dataclass(frozen=True)
+class RateDecision:
+    admitted: bool
+    limit: str = ""
+    #: When the window that refused has room again (0 when admitted).
+    retry_after_ms: int = 0
+    detail: str = ""
+
+
+ADMIT = RateDecision(True)
+
+
+def window_start(now_ms: int, window_ms: int) -> int:
+    return now_ms - now_ms % window_ms
+
+
+def counter_key(limit: WindowLimit, tenant: str, model: str, start_ms: int) -> str:
+    who = tenant if limit.scope == "tenant" else f"{tenant}\x1f{model}"
+    return f"{limit.name}\x1f{who}\x1f{start_ms}"
+
+
+class RateLimiter:
+    """Checks and counts requests against ``limits`` for each tenant.
+
+    ``limits_for(tenant)`` returns the limits of one tenant (per-tenant overrides, else the
+    defaults); counts are kept in ``counts`` (any mutable mapping).
+    """
+
+    def __init__(self, default_limits: list[WindowLimit],
+                 tenant_limits: dict[str, list[WindowLimit]] | None = None,
+                 counts: MutableMapping[str, list[int]] | None = None):
+        self.default_limits = list(default_limits)
+        self.tenant_limits = dict(tenant_limits or {})
+        self.counts: MutableMapping[str, list[int]] = {} if counts is None else counts
+
+    def limits_for(self, tenant: str) -> list[WindowLimit]:
+        return self.tenant_limits.get(tenant, self.default_limits)
+
+    def admit(self, tenant: str, model: str, tokens: int, now_ms: int) -> RateDecision:
+        """Admit and count, or refuse (counting nothing) with the limit and its retry-after."""
+        limits = self.limits_for(tenant)
+        keys = []
+        worst: RateDecision | None = None
+        for limit in limits:
+            start = window_start(now_ms, limit.window_ms)
+            key = counter_key(limit, tenant, model, start)
+            used = self.counts.get(key) or (0, 0)
+            over = None
+            if limit.requests and used[0] + 1 > limit.requests:
+                over = f"{used[0]}/{limit.requests} requests"
+            elif limit.tokens and used[1] + tokens > limit.tokens:
+                if tokens > limit.tokens:
+                    # Never fits: retrying cannot help, so no retry-after.
+                    return RateDecision(False, limit.name, 0,
+                                        f"{tokens} tokens exceed the {limit.tokens}-token limit per window")
+                over = f"{used[1]}+{tokens}/{limit.tokens} tokens"
+            if over is not None:
+                retry = start + limit.window_ms - now_ms
+                if worst is None or retry > worst.retry_after_ms:
+                    worst = RateDecision(False, limit.name, retry, f"{over} in the {limit.window_ms} ms window")
+            keys.append(key)
+        if worst is not None:
+            return worst
+        counts = self.counts
+        for key in keys:
+            used = counts.get(key) or (0, 0)
+            counts[key] = [used[0] + 1, used[1] + tokens]
+        return ADMIT
+
+    def expire(self, now_ms: int) -> int:
+        """Drop counters of windows that have ended; returns how many."""
+        longest = {lim.name: lim.window_ms for lims in [self.default_limits, *self.tenant_limits.values()]
+                   for lim in lims}
+        dead = [k for k in list(self.counts)
+                if int(k.rsplit("\x1f", 1)[1]) + longest.get(k.split("\x1f", 1)[0], 0) <= now_ms]
+        for k in dead:
+            del self.counts[k]
+        return len(dead)

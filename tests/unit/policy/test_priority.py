@@ -1,0 +1,54 @@
+"""Effective priority: tier offsets, deadline urgency, load demotion, clamping."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.models import Priority
+from pipeline.policy.priority import PriorityPolicy, effective_priority
+
+POLICY = PriorityPolicy()
+RELAXED = dict(time_left_ms=60_000, eta_ms=100.0, load=0.1)
+
+
+def decide(requested, tier="standard", **kw):
+    return effective_priority(requested, tier, **{**RELAXED, **kw}, policy=POLICY)
+
+
+@pytest.mark.parametrize("band", list(Priority))
+def test_a_standard_tenant_with_time_to_spare_at_low_load_keeps_its_band(band):
+    d = decide(band)
+    assert d.effective is band and d.reasons == ()
+
+
+def test_tier_offsets_move_enterprise_up_and_free_down():
+    assert decide(Priority.NORMAL, "enterprise").effective is Priority.HIGH
+    assert decide(Priority.NORMAL, "free").effective is Priority.LOW
+    assert decide(Priority.NORMAL, "unknown-tier").effective is Priority.NORMAL
+
+
+def test_an_urgent_deadline_moves_up_one_band():
+    assert decide(Priority.LOW, time_left_ms=1_000).effective is Priority.NORMAL
+    # urgent relative to the queue's current ETA, too
+    d = decide(Priority.LOW, time_left_ms=5_000, eta_ms=3_000)
+    assert d.effective is Priority.NORMAL and "deadline urgent +1" in d.reasons
+
+
+def test_promotion_never_reaches_critical_unless_asked_for():
+    assert decide(Priority.HIGH, "enterprise", time_left_ms=10).effective is Priority.HIGH
+    assert decide(Priority.CRITICAL, "free").effective is Priority.HIGH  # tiers still demote
+
+
+def test_high_load_moves_non_critical_work_down_but_not_critical():
+    assert decide(Priority.HIGH, load=0.9).effective is Priority.NORMAL
+    assert decide(Priority.CRITICAL, load=0.99).effective is Priority.CRITICAL
+    assert decide(Priority.BACKGROUND, load=0.99).effective is Priority.BACKGROUND  # clamped
+
+
+def test_threshold_is_configurable():
+    policy = PriorityPolicy(high_load=0.5)
+    assert effective_priority(Priority.NORMAL, "standard", 60_000, 0, 0.6, policy).effective is Priority.LOW
+
+
+def test_the_rule_is_a_pure_function():
+    assert decide(Priority.LOW, "free", load=0.95) == decide(Priority.LOW, "free", load=0.95)

@@ -1,0 +1,59 @@
+"""A worker's pause flags and librdkafka's agree after every rebalance, in both directions."""
+
+from __future__ import annotations
+
+from confluent_kafka import TopicPartition
+
+from pipeline.config import Settings
+from pipeline.models import Priority
+from pipeline.worker.backends.simulated import SimulatedBackend
+from pipeline.worker.loop import Worker
+
+
+class RememberingConsumer:
+    """Keeps pause flags per partition across assignments, as librdkafka does."""
+
+    def __init__(self):
+        self.assigned: list[TopicPartition] = []
+        self.paused: set[tuple[str, int]] = set()
+
+    def assignment(self):
+        return list(self.assigned)
+
+    def pause(self, parts):
+        self.paused |= {(tp.topic, tp.partition) for tp in parts}
+
+    def resume(self, parts):
+        self.paused -= {(tp.topic, tp.partition) for tp in parts}
+
+
+def _worker():
+    worker = Worker(Settings.load(env={}), SimulatedBackend(), worker_id="pause-test")
+    worker.consumer = RememberingConsumer()
+    return worker
+
+
+def test_a_partition_that_comes_back_after_its_band_resumed_is_resumed():
+    worker = _worker()
+    low = worker.settings.topics.request_topic(Priority.LOW)
+    tp = TopicPartition(low, 0)
+    worker.consumer.assigned = [tp]
+    worker._set_band_paused(Priority.LOW.rank, True)
+    assert worker.consumer.paused == {(low, 0)}
+    # lost in a rebalance; meanwhile the band's queue drained and the band was resumed
+    worker.consumer.assigned = []
+    worker._set_band_paused(Priority.LOW.rank, False)
+    # assigned again: librdkafka still has it paused
+    worker.consumer.assigned = [tp]
+    worker._reapply_pauses()
+    assert worker.consumer.paused == set()
+
+
+def test_partitions_of_a_paused_band_are_paused_when_assigned():
+    worker = _worker()
+    bg = worker.settings.topics.request_topic(Priority.BACKGROUND)
+    crit = worker.settings.topics.request_topic(Priority.CRITICAL)
+    worker._paused_bands.add(Priority.BACKGROUND.rank)
+    worker.consumer.assigned = [TopicPartition(bg, 1), TopicPartition(crit, 1)]
+    worker._reapply_pauses()
+    assert worker.consumer.paused == {(bg, 1)}
