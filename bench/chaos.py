@@ -103,6 +103,7 @@ class ResponseCounter(threading.Thread):
         self.counts: collections.Counter[str] = collections.Counter()
         self.statuses: collections.Counter[str] = collections.Counter()
         self._stop_event = threading.Event()
+        self.last_progress = time.monotonic()
 
     def run(self) -> None:
         codec = Codec.default()
@@ -120,12 +121,22 @@ class ResponseCounter(threading.Thread):
                     resp = codec.decode_response(msg.value())
                     self.counts[resp.request_id] += 1
                     self.statuses[resp.status.value] += 1
+                    self.last_progress = time.monotonic()
         finally:
             consumer.close()
 
     def stop(self) -> None:
         self._stop_event.set()
         self.join(30)
+
+    def settle(self, quiet_s: float = 2.0) -> "ResponseCounter":
+        """Wait until this (fresh) reader has read what there is to read."""
+        time.sleep(1)
+        while True:
+            before = sum(self.counts.values())
+            time.sleep(quiet_s)
+            if sum(self.counts.values()) == before:
+                return self
 
 
 # -- the workers, supervised ------------------------------------------------------------------
@@ -260,6 +271,19 @@ def run_mode(mode: str, broker: LocalBroker, args, rng: random.Random, log_dir: 
                     events.append({"t_s": at, "answered": answered, "fault": "SIGSTOP", "worker": victim.worker_id,
                                    "stopped_s": pause})
                 last_fault = time.monotonic()
+            if time.monotonic() - counter.last_progress > args.stall_s:
+                # Nothing new for a while: is the reader stuck, or is nothing readable (an open
+                # transaction holding the last stable offset)? A fresh reader tells them apart.
+                fresh = ResponseCounter(settings)
+                fresh.start()
+                fresh.settle()
+                _log(f"[{mode}] no new response for {args.stall_s:.0f} s at {answered:,} answered; a fresh "
+                     f"read_committed reader sees {len(fresh.counts):,}")
+                events.append({"t_s": round(time.monotonic() - t0, 1), "stall": True, "reader_saw": answered,
+                               "fresh_reader_saw": len(fresh.counts)})
+                counter.stop()
+                counter = fresh
+                continue
             if time.monotonic() - last_report > 5:
                 last_report = time.monotonic()
                 dup = sum(c - 1 for c in list(counter.counts.values()))
@@ -286,12 +310,7 @@ def run_mode(mode: str, broker: LocalBroker, args, rng: random.Random, log_dir: 
     counter.stop()
     final = ResponseCounter(settings)
     final.start()
-    time.sleep(1)
-    while True:
-        before = sum(final.counts.values())
-        time.sleep(2)
-        if sum(final.counts.values()) == before:
-            break
+    final.settle()
     final.stop()
     elapsed = time.monotonic() - t0
     counts = final.counts
@@ -322,6 +341,8 @@ def main(argv=None) -> int:
     parser.add_argument("--slow-calls", type=int, default=3,
                         help="requests whose model call outlasts max.poll.interval.ms (default 3)")
     parser.add_argument("--fault-gap-s", type=float, default=8.0, help="least time between two faults (default 8)")
+    parser.add_argument("--stall-s", type=float, default=20.0,
+                        help="no new response this long: check with a fresh reader (default 20)")
     parser.add_argument("--seed", type=int, help="fault schedule seed (default: random, printed)")
     parser.add_argument("--timeout", type=float, default=900.0, help="give up on a mode after this many seconds")
     args = parser.parse_args(argv)

@@ -148,6 +148,15 @@ class BrokerStatus:
     data_dir: Path
 
 
+def new_cluster_id() -> str:
+    """A random KRaft cluster id: a UUID in URL-safe base64, never starting with "-" (the storage
+    tool would read such an id as an option, as Kafka's own Uuid.randomUuid() also avoids)."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
 class LocalBroker:
     """A local broker; with ``secure`` its one client listener is SASL_SSL (SCRAM-SHA-512) with a
     private CA, and the standard ACL authorizer denies whatever no ACL allows."""
@@ -367,7 +376,7 @@ class LocalBroker:
         }
 
     def _format(self, classpath: str) -> None:
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = new_cluster_id()
         self.progress(f"formatting KRaft storage in {self.data_dir / 'data'} (cluster {cluster_id})")
         extra = []
         if self.secure:

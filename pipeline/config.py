@@ -140,6 +140,9 @@ class TopicSettings:
     request_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(7 * 24 * 3600 * 1000)})
     response_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(7 * 24 * 3600 * 1000)})
     cancellation_partitions: int = 3
+    #: Admitted requests, per band, keyed by tenant: more partitions spread tenants wider, so
+    #: a flooding tenant shares its partition with fewer quiet ones (stochastic fair queuing).
+    dispatch_partitions: int = 12
     #: Compacted (one record per request id) and deleted after a day: cancelling is for live work.
     cancellation_config: dict[str, str] = field(default_factory=lambda: {
         "cleanup.policy": "compact,delete", "retention.ms": str(24 * 3600 * 1000)})
@@ -154,8 +157,18 @@ class TopicSettings:
     def request_topics(self) -> list[str]:
         return [self.request_topic(p) for p in Priority]
 
-    def pool_topics(self, pool: str) -> list[str]:
-        return [self.request_topic(Priority(band)) for band in DEFAULT_POOLS[pool]]
+    def pool_topics(self, pool: str, source: str = "requests") -> list[str]:
+        """The topics a worker of ``pool`` consumes: the gateway's dispatch topics, or the
+        request topics themselves in the gateway-less set-up."""
+        topic = self.dispatch_topic if source == "dispatch" else self.request_topic
+        return [topic(Priority(band)) for band in DEFAULT_POOLS[pool]]
+
+    def dispatch_topic(self, priority: Priority) -> str:
+        return f"{self.prefix}.dispatch.{priority.value.lower()}"
+
+    @property
+    def dispatch_topics(self) -> list[str]:
+        return [self.dispatch_topic(p) for p in Priority]
 
     @property
     def responses(self) -> str:
@@ -241,12 +254,148 @@ class WorkerSettings:
     #: Tenants that get their own metric label: these, plus the N busiest; the rest are "other".
     metrics_tenants: list[str] = field(default_factory=list)
     metrics_tenant_top_n: int = 10
+    #: "requests": consume the request topics directly (gateway-less, small set-ups);
+    #: "dispatch": consume what the gateway admitted (llm.dispatch.<band>).
+    source: str = "requests"
 
 
     def effective_group_id(self) -> str:
         if self.pool != "all" and self.group_id == WorkerSettings.group_id:
             return f"llmq-pool-{self.pool}"
         return self.group_id
+
+
+@dataclass
+class GatewaySettings:
+    """The admission gateway (``llmq gateway``): see deploy/llmq.toml for every key explained."""
+
+    app_id: str = "llmq-gateway"
+    #: GET /v1/queue (JSON) and /metrics on this port; 0 = off.
+    web_port: int = 6066
+    web_host: str = "127.0.0.1"
+    #: "at-least-once", or "exactly-once" (Kafka transactions through Faust's kafka:// driver).
+    processing_guarantee: str = "at-least-once"
+    #: Faust table store: memory:// (rebuilt from the changelog topics on start) or rocksdb://.
+    store: str = "memory://"
+    #: Effective priority: band offset per user tier (negative = up), deadline urgency, load.
+    tier_offsets: dict[str, int] = field(default_factory=lambda: {"enterprise": -1, "standard": 0, "free": 1})
+    urgent_ms: int = 2_000
+    urgent_eta_factor: float = 2.0
+    high_load: float = 0.8
+    #: Rate limits per tenant: name → {window_ms, requests, tokens, scope ("tenant"|"tenant_model")}.
+    limits: dict[str, dict] = field(default_factory=lambda: {
+        "per_second": {"window_ms": 1_000, "requests": 200, "tokens": 400_000},
+        "per_minute": {"window_ms": 60_000, "requests": 6_000, "tokens": 12_000_000}})
+    #: Per-tenant replacements of ``limits``: tenant → {name → {...}}.
+    tenant_limits: dict[str, dict] = field(default_factory=dict)
+    #: Fairness: most requests one tenant may have outstanding per band (0 = no cap); over it,
+    #: demote down to ``demote_floor``, then refuse quota_exceeded.
+    tenant_outstanding: dict[str, int] = field(default_factory=lambda: {
+        "CRITICAL": 200, "HIGH": 500, "NORMAL": 2_000, "LOW": 5_000, "BACKGROUND": 20_000})
+    tenant_outstanding_overrides: dict[str, dict] = field(default_factory=dict)
+    demote_floor: str = "LOW"
+    #: Bounded queues: most admitted-and-unfinished requests per band; over it, queue_full.
+    queue_caps: dict[str, int] = field(default_factory=lambda: {
+        "CRITICAL": 10_000, "HIGH": 20_000, "NORMAL": 50_000, "LOW": 100_000, "BACKGROUND": 200_000})
+    #: The server's longest deadline: a client may shorten it, never extend it.
+    max_timeout_ms: int = 600_000
+    #: Graceful degradation above this load: simple requests that allow it get a smaller model.
+    degrade_load: float = 0.8
+    downgrade: dict[str, str] = field(default_factory=lambda: {"sim-large": "sim-small", "gpt-4o": "gpt-4o-mini"})
+    simple_prompt_tokens: int = 1_000
+    simple_max_tokens: int = 512
+    #: Drain rate assumed before any completion was seen (requests/s; 0 = unknown).
+    default_drain_rate: float = 0.0
+    #: Request ids remembered to answer a re-submitted id once.
+    dedupe_window: int = 100_000
+    #: aiokafka: the longest a fetch waits for data (its default, 500 ms, dominates latency).
+    fetch_max_wait_ms: int = 5
+    producer_linger_ms: int = 1
+
+    # -- the policies these settings describe (also validates them, naming the bad key) ---
+
+    def window_limits(self) -> tuple[list, dict[str, list]]:
+        from pipeline.policy.ratelimit import WindowLimit
+
+        def build(path: str, table: Any) -> list:
+            if not isinstance(table, Mapping):
+                raise ConfigError(path, "must be a table of named limits")
+            out = []
+            for name, spec in table.items():
+                if not isinstance(spec, Mapping):
+                    raise ConfigError(f"{path}.{name}", "must be a table {window_ms, requests, tokens, scope}")
+                unknown = set(spec) - {"window_ms", "requests", "tokens", "scope"}
+                if unknown:
+                    raise ConfigError(f"{path}.{name}.{sorted(unknown)[0]}", "unknown key (known: window_ms, "
+                                                                            "requests, tokens, scope)")
+                try:
+                    out.append(WindowLimit(str(name), int(spec.get("window_ms", 0)), int(spec.get("requests", 0)),
+                                           int(spec.get("tokens", 0)), str(spec.get("scope", "tenant"))))
+                except (TypeError, ValueError) as exc:
+                    raise ConfigError(f"{path}.{name}", str(exc)) from None
+            return out
+
+        default = build("gateway.limits", self.limits)
+        per_tenant = {t: build(f"gateway.tenant_limits.{t}", v) for t, v in self.tenant_limits.items()}
+        return default, per_tenant
+
+    def priority_policy(self):
+        from pipeline.policy.priority import PriorityPolicy
+
+        offsets = {}
+        for tier, off in self.tier_offsets.items():
+            try:
+                offsets[tier] = int(off)
+            except (TypeError, ValueError):
+                raise ConfigError(f"gateway.tier_offsets.{tier}", f"must be an integer, got {off!r}") from None
+            if not -4 <= offsets[tier] <= 4:
+                raise ConfigError(f"gateway.tier_offsets.{tier}", "must be between -4 and 4")
+        return PriorityPolicy(tier_offsets=offsets, urgent_ms=self.urgent_ms,
+                              urgent_eta_factor=self.urgent_eta_factor, high_load=self.high_load)
+
+    def band_ints(self, key: str) -> dict[str, int]:
+        table = getattr(self, key)
+        out = {}
+        for band, value in table.items():
+            if band not in Priority.__members__:
+                raise ConfigError(f"gateway.{key}.{band}", f"unknown band (known: {', '.join(Priority.__members__)})")
+            try:
+                out[band] = int(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"gateway.{key}.{band}", f"must be an integer, got {value!r}") from None
+            if out[band] < 0:
+                raise ConfigError(f"gateway.{key}.{band}", "must be >= 0")
+        return out
+
+    def validate(self) -> None:
+        self.window_limits()
+        self.priority_policy()
+        self.band_ints("tenant_outstanding")
+        self.band_ints("queue_caps")
+        for tenant, caps in self.tenant_outstanding_overrides.items():
+            if not isinstance(caps, Mapping):
+                raise ConfigError(f"gateway.tenant_outstanding_overrides.{tenant}", "must be a table band → cap")
+        if self.demote_floor not in Priority.__members__:
+            raise ConfigError("gateway.demote_floor", f"unknown band (known: {', '.join(Priority.__members__)})")
+        if self.processing_guarantee not in ("at-least-once", "exactly-once"):
+            raise ConfigError("gateway.processing_guarantee", "must be 'at-least-once' or 'exactly-once'")
+        if not self.store.startswith(("memory://", "rocksdb://")):
+            raise ConfigError("gateway.store", "must be memory:// or rocksdb://")
+        for key in ("max_timeout_ms", "urgent_eta_factor"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"gateway.{key}", f"must be > 0, got {getattr(self, key)!r}")
+        for key in ("high_load", "degrade_load"):
+            if not 0 < getattr(self, key) <= 10:
+                raise ConfigError(f"gateway.{key}", "must be a fraction of capacity, > 0 (0.8 = 80%)")
+        for key in ("urgent_ms", "simple_prompt_tokens", "simple_max_tokens", "default_drain_rate", "dedupe_window",
+                    "fetch_max_wait_ms", "producer_linger_ms"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"gateway.{key}", f"must be >= 0, got {getattr(self, key)!r}")
+        if not 0 <= self.web_port < 65536:
+            raise ConfigError("gateway.web_port", f"must be a TCP port or 0 (off), got {self.web_port}")
+        for small, large in self.downgrade.items():
+            if not isinstance(large, str) or not large:
+                raise ConfigError(f"gateway.downgrade.{small}", "must name the smaller model")
 
 
 @dataclass
@@ -267,6 +416,7 @@ class Settings:
     topics: TopicSettings = field(default_factory=TopicSettings)
     serde: SerdeSettings = field(default_factory=SerdeSettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
     broker: BrokerSettings = field(default_factory=BrokerSettings)
 
     @classmethod
@@ -384,6 +534,10 @@ class Settings:
         positive("worker.backend_max_attempts", self.worker.backend_max_attempts)
         if not 0 <= self.worker.metrics_port < 65536:
             raise ConfigError("worker.metrics_port", f"must be a TCP port or 0 (off), got {self.worker.metrics_port}")
+        if self.worker.source not in ("requests", "dispatch"):
+            raise ConfigError("worker.source", "must be 'requests' (gateway-less) or 'dispatch' (behind the gateway)")
+        positive("topics.dispatch_partitions", self.topics.dispatch_partitions)
+        self.gateway.validate()
         if not 0 < self.broker.port < 65536:
             raise ConfigError("broker.port", f"must be a TCP port, got {self.broker.port}")
 

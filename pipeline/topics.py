@@ -43,6 +43,8 @@ def pipeline_topics(settings: Settings) -> list[TopicSpec]:
     t = settings.topics
     specs = [TopicSpec(name, t.request_partitions, t.replication_factor, dict(t.request_config), "requests")
              for name in t.request_topics]
+    specs += [TopicSpec(name, t.dispatch_partitions, t.replication_factor, dict(t.request_config), "admitted")
+              for name in t.dispatch_topics]
     specs.append(TopicSpec(t.responses, t.response_partitions, t.replication_factor, dict(t.response_config), "responses"))
     specs.append(TopicSpec(t.dlq, t.dlq_partitions, t.replication_factor, dict(t.dlq_config), "dead letters"))
     specs.append(TopicSpec(t.cancellations, t.cancellation_partitions, t.replication_factor,

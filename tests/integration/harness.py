@@ -23,6 +23,7 @@ def make_settings(bootstrap: str, **worker) -> Settings:
     settings.topics.prefix = f"t{uuid.uuid4().hex[:10]}.llm"
     settings.topics.request_partitions = 3
     settings.topics.response_partitions = 3
+    settings.topics.dispatch_partitions = 3
     settings.worker.group_id = f"{settings.topics.prefix}.workers"
     settings.worker.commit_interval_ms = 200
     settings.worker.shutdown_grace_s = 5

@@ -60,10 +60,10 @@ def test_topics_create_is_idempotent_and_reports_partition_mismatch(bootstrap):
            "LLMQ_TOPICS__REQUEST_PARTITIONS": "2"}
     first = llmq("topics", "create", env=env)
     assert first.returncode == 0, first.stderr
-    assert first.stdout.count("created") == 8
+    assert first.stdout.count("created") == 13
     second = llmq("topics", "create", env=env)
     assert second.returncode == 0
-    assert second.stdout.count("exists") == 8
+    assert second.stdout.count("exists") == 13
     mismatch = llmq("topics", "create", env={**env, "LLMQ_TOPICS__REQUEST_PARTITIONS": "4"})
     assert mismatch.returncode == 2
     assert "MISMATCH" in mismatch.stdout and "configured 4 partitions, broker has 2" in mismatch.stdout

@@ -83,3 +83,36 @@ def test_pools_pick_their_bands_and_their_own_group():
     assert Settings.load(env={}).worker.effective_group_id() == "llmq-workers"
     with pytest.raises(ConfigError, match="worker.pool"):
         Settings.load(env={"LLMQ_WORKER__POOL": "turbo"})
+
+
+def test_the_example_file_documents_every_gateway_default():
+    from pathlib import Path
+
+    example = Settings.load(Path(__file__).resolve().parents[2] / "deploy" / "llmq.toml", env={})
+    assert example.gateway == Settings.load(env={}).gateway
+
+
+@pytest.mark.parametrize("toml, key", [
+    ("[gateway.limits.per_second]\nwindow_ms = 0\nrequests = 5", "gateway.limits.per_second"),
+    ("[gateway.limits.per_second]\nwindow_ms = 1000\nburst = 5", "gateway.limits.per_second.burst"),
+    ("[gateway.limits]\nper_second = 5", "gateway.limits.per_second"),
+    ("[gateway.tenant_limits.acme.s]\nwindow_ms = 1000", "gateway.tenant_limits.acme.s"),
+    ("[gateway.queue_caps]\nURGENT = 5", "gateway.queue_caps.URGENT"),
+    ("[gateway.tenant_outstanding]\nHIGH = -1", "gateway.tenant_outstanding.HIGH"),
+    ("[gateway.tier_offsets]\ngold = 'up'", "gateway.tier_offsets.gold"),
+    ("[gateway]\ndemote_floor = 'LOWEST'", "gateway.demote_floor"),
+    ("[gateway]\nhigh_load = 0", "gateway.high_load"),
+    ("[gateway]\nstore = 'redis://x'", "gateway.store"),
+    ("[worker]\nsource = 'topics'", "worker.source"),
+])
+def test_invalid_gateway_settings_are_refused_naming_the_key(tmp_path, toml, key):
+    f = tmp_path / "bad.toml"
+    f.write_text(toml)
+    with pytest.raises(ConfigError) as exc:
+        Settings.load(f, env={})
+    assert exc.value.key == key
+
+
+def test_workers_behind_the_gateway_consume_the_dispatch_topics():
+    s = Settings.load(env={})
+    assert s.topics.pool_topics("realtime", "dispatch") == ["llm.dispatch.critical", "llm.dispatch.high"]

@@ -73,3 +73,48 @@ def test_a_failed_asynchronous_commit_is_reported_again():
     t.mark_committed(positions)
     t.commit_failed(positions)
     assert t.to_commit() == [(TP, 1)]
+
+
+# -- offsets finished past the committed position, carried in commit metadata -------------------
+
+from pipeline.worker.offsets import MAX_METADATA_CHARS, decode_done, encode_done  # noqa: E402
+
+
+def test_done_offsets_round_trip_as_relative_ranges():
+    done = {101, 102, 103, 107, 200}
+    text = encode_done(100, done)
+    assert text == "llmq.done1:1+2,7,100"
+    assert decode_done(100, text) == done
+    assert encode_done(100, set()) == ""
+
+
+def test_a_list_too_long_for_the_broker_is_cut_short_never_wrong():
+    done = set(range(1, 20_000, 2))  # no runs: the worst case
+    text = encode_done(0, done)
+    assert len(text) <= MAX_METADATA_CHARS
+    assert decode_done(0, text) <= done and len(decode_done(0, text)) > 500
+
+
+def test_foreign_or_garbled_metadata_lists_nothing_beyond_what_is_readable():
+    assert decode_done(5, "") == set()
+    assert decode_done(5, "some other tool's note") == set()
+    assert decode_done(5, "llmq.done1:2,x,9") == {7}
+    assert decode_done(5, "llmq.done1:0,3") == set()  # 0 would be the committed offset itself
+    assert decode_done(5, "llmq.done1:1+99999999") == set()  # absurd sizes are ignored
+
+
+def test_a_slow_head_still_lets_the_finished_ones_behind_it_be_recorded():
+    t = OffsetTracker()
+    tp = ("topic", 0)
+    for off in range(10, 15):
+        t.started(tp, off)
+    for off in (11, 12, 14):
+        t.finished(tp, off)
+    [(got_tp, position, metadata)] = t.to_commit_with_done()
+    assert got_tp == tp and position == 10
+    assert decode_done(position, metadata) == {11, 12, 14}
+    t.mark_committed_with_done([(tp, position, metadata)])
+    assert t.to_commit_with_done() == []  # nothing new
+    t.finished(tp, 10)
+    [(_, position, metadata)] = t.to_commit_with_done()
+    assert position == 13 and decode_done(13, metadata) == {14}

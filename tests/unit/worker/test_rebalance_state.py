@@ -1,4 +1,5 @@
-"""A worker's pause flags and librdkafka's agree after every rebalance, in both directions."""
+"""What a worker keeps across rebalances: pause flags agree with librdkafka's, and nothing of a
+partition it lost is published later."""
 
 from __future__ import annotations
 
@@ -27,8 +28,11 @@ class RememberingConsumer:
         self.paused -= {(tp.topic, tp.partition) for tp in parts}
 
 
-def _worker():
-    worker = Worker(Settings.load(env={}), SimulatedBackend(), worker_id="pause-test")
+def _worker(**worker_settings):
+    settings = Settings.load(env={})
+    for k, v in worker_settings.items():
+        setattr(settings.worker, k, v)
+    worker = Worker(settings, SimulatedBackend(), worker_id="pause-test")
     worker.consumer = RememberingConsumer()
     return worker
 
@@ -57,3 +61,19 @@ def test_partitions_of_a_paused_band_are_paused_when_assigned():
     worker.consumer.assigned = [TopicPartition(bg, 1), TopicPartition(crit, 1)]
     worker._reapply_pauses()
     assert worker.consumer.paused == {(bg, 1)}
+
+
+def test_exactly_once_outcomes_of_a_lost_or_revoked_partition_are_dropped_not_published_later():
+    worker = _worker(delivery="exactly-once")
+    topic = worker.settings.topics.request_topic(Priority.NORMAL)
+    lost, revoked = (topic, 0), (topic, 1)
+    for tp in (lost, revoked):
+        worker.tracker.started(tp, 10)
+        worker.tracker.started(tp, 11)
+        # offset 11 finished before 10: held back, not yet in any transaction
+        worker._emit(tp, 11, worker.responses_topic, b"answer", b"tenant", None)
+    assert set(worker._ready) == {lost, revoked}
+    worker._on_lost(worker.consumer, [TopicPartition(*lost)])
+    worker._restart = True  # no transaction in this test: the revoke path commits nothing
+    worker._on_revoke(worker.consumer, [TopicPartition(*revoked)])
+    assert worker._ready == {}

@@ -1,0 +1,70 @@
+"""Fairness quotas between tenants: caps on outstanding requests per tenant and band. Pure.
+
+A tenant over its cap in the band it was given is first demoted to the next lower band (the
+seed's "try the alternative queue"), down to a configured floor; with no band left the request
+is refused ``quota_exceeded``. Outstanding counts go up on admission and down when the
+request's terminal response is seen, so they stay right across gateway restarts when kept in a
+changelog-backed table (``counts`` is any mutable mapping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import MutableMapping
+
+from pipeline.models import Priority
+
+_BANDS = tuple(Priority)
+
+
+@dataclass(frozen=True)
+class Placement:
+    band: Priority | None  # None: no band has room under the tenant's caps
+    demoted_from: Priority | None = None
+
+
+def outstanding_key(tenant: str, band: Priority) -> str:
+    return f"{tenant}\x1f{band.value}"
+
+
+class FairnessQuotas:
+    def __init__(self, caps: dict[str, int], *, floor: Priority = Priority.BACKGROUND,
+                 tenant_caps: dict[str, dict[str, int]] | None = None,
+                 counts: MutableMapping[str, int] | None = None):
+        """``caps``: band name → most requests one tenant may have outstanding there (0 = no cap)."""
+        self.caps = dict(caps)
+        self.floor = floor
+        self.tenant_caps = dict(tenant_caps or {})
+        self.counts: MutableMapping[str, int] = {} if counts is None else counts
+
+    def cap(self, tenant: str, band: Priority) -> int:
+        own = self.tenant_caps.get(tenant)
+        if own is not None and band.value in own:
+            return int(own[band.value])
+        return int(self.caps.get(band.value, 0))
+
+    def outstanding(self, tenant: str, band: Priority) -> int:
+        return self.counts.get(outstanding_key(tenant, band), 0)
+
+    def place(self, tenant: str, band: Priority) -> Placement:
+        """The band ``tenant``'s request goes to: ``band`` if under the cap, else the next lower
+        one with room, no lower than the floor (nor below ``band`` if it is already below it)."""
+        floor = max(self.floor.rank, band.rank)
+        for rank in range(band.rank, floor + 1):
+            b = _BANDS[rank]
+            cap = self.cap(tenant, b)
+            if not cap or self.outstanding(tenant, b) < cap:
+                return Placement(b, band if b is not band else None)
+        return Placement(None)
+
+    def admitted(self, tenant: str, band: Priority) -> None:
+        key = outstanding_key(tenant, band)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def finished(self, tenant: str, band: Priority) -> None:
+        key = outstanding_key(tenant, band)
+        left = self.counts.get(key, 0) - 1
+        if left > 0:
+            self.counts[key] = left
+        elif key in self.counts:
+            del self.counts[key]

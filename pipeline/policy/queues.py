@@ -1,0 +1,139 @@
+"""Bounded per-band queues and backpressure: depth, drain rate, position, ETA, retry-after.
+Pure, no I/O.
+
+The gateway cannot see inside the workers, so a band's *depth* is what it admitted and has not
+yet seen finished on the response topic. The *drain rate* is the rate of those completions over
+a sliding window; *capacity* is the best drain rate seen recently, so *load* (arrivals over
+capacity) says how close the pipeline is to saturation.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pipeline.models import Priority
+
+N_BANDS = len(Priority)
+
+
+class RateMeter:
+    """Events per second over the last ``window_ms``, in 1-second buckets."""
+
+    def __init__(self, window_ms: int = 10_000, bucket_ms: int = 1_000):
+        self.bucket_ms = bucket_ms
+        self.buckets = max(1, window_ms // bucket_ms)
+        self._counts: deque[list[int]] = deque()  # [bucket_start, count]
+        self._first_ms: int | None = None
+
+    def add(self, now_ms: int, n: int = 1) -> None:
+        start = now_ms - now_ms % self.bucket_ms
+        if self._first_ms is None:
+            self._first_ms = now_ms
+        if self._counts and self._counts[-1][0] == start:
+            self._counts[-1][1] += n
+        else:
+            self._counts.append([start, n])
+        self._trim(now_ms)
+
+    def _trim(self, now_ms: int) -> None:
+        oldest = now_ms - self.buckets * self.bucket_ms
+        while self._counts and self._counts[0][0] <= oldest:
+            self._counts.popleft()
+
+    def rate(self, now_ms: int) -> float:
+        self._trim(now_ms)
+        if not self._counts or self._first_ms is None:
+            return 0.0
+        # Over the time actually observed, so a young meter is not diluted by empty history.
+        span_ms = min(self.buckets * self.bucket_ms, max(now_ms - self._first_ms, self.bucket_ms))
+        return sum(c for _, c in self._counts) * 1000.0 / span_ms
+
+
+@dataclass(frozen=True)
+class QueueVerdict:
+    full: bool
+    position: int  # 1-based: requests ahead of it (this and higher bands) + 1
+    eta_ms: float  # estimated wait before a worker starts it
+    retry_after_ms: int = 0
+
+
+class QueueModel:
+    """Depth and drain of each band; ``caps[rank]`` bounds a band's depth (0 = unbounded)."""
+
+    def __init__(self, caps: list[int], *, default_rate_per_s: float = 0.0, window_ms: int = 10_000,
+                 min_retry_ms: int = 100, max_retry_ms: int = 60_000):
+        assert len(caps) == N_BANDS
+        self.caps = list(caps)
+        self.depth = [0] * N_BANDS
+        self.default_rate = default_rate_per_s
+        self._drain = RateMeter(window_ms)
+        self._arrivals = RateMeter(window_ms)
+        self._capacity = 0.0
+        self.min_retry_ms = min_retry_ms
+        self.max_retry_ms = max_retry_ms
+
+    # -- events ---------------------------------------------------------------------------
+
+    def admitted(self, rank: int, now_ms: int) -> None:
+        self.depth[rank] += 1
+        self._arrivals.add(now_ms)
+
+    def finished(self, rank: int, now_ms: int) -> None:
+        if self.depth[rank] > 0:
+            self.depth[rank] -= 1
+        self._drain.add(now_ms)
+
+    # -- estimates ------------------------------------------------------------------------
+
+    def drain_rate(self, now_ms: int) -> float:
+        rate = self._drain.rate(now_ms)
+        if rate > self._capacity:
+            self._capacity = rate
+        return rate or self.default_rate
+
+    def capacity(self, now_ms: int) -> float:
+        self.drain_rate(now_ms)
+        return self._capacity or self.default_rate
+
+    def load(self, now_ms: int) -> float:
+        """Arrival rate over measured capacity (0 before any capacity was measured)."""
+        cap = self.capacity(now_ms)
+        return self._arrivals.rate(now_ms) / cap if cap > 0 else 0.0
+
+    def ahead(self, rank: int) -> int:
+        """Requests a new one in band ``rank`` waits behind: its own band and every higher one."""
+        return sum(self.depth[: rank + 1])
+
+    def eta_ms(self, rank: int, now_ms: int) -> float:
+        rate = self.drain_rate(now_ms)
+        ahead = self.ahead(rank)
+        if ahead == 0:
+            return 0.0
+        return ahead * 1000.0 / rate if rate > 0 else float("inf")
+
+    def check(self, rank: int, now_ms: int) -> QueueVerdict:
+        """Whether band ``rank`` has room for one more, and where it would stand."""
+        eta = self.eta_ms(rank, now_ms)
+        position = self.ahead(rank) + 1
+        cap = self.caps[rank]
+        if cap and self.depth[rank] >= cap:
+            rate = self.drain_rate(now_ms)
+            # Until the band has drained below its cap at the current rate.
+            excess = self.depth[rank] - cap + 1
+            retry = excess * 1000.0 / rate if rate > 0 else self.max_retry_ms
+            retry_ms = int(min(max(retry, self.min_retry_ms), self.max_retry_ms))
+            return QueueVerdict(True, position, eta, retry_ms)
+        return QueueVerdict(False, position, eta)
+
+    def snapshot(self, now_ms: int) -> dict:
+        """What ``GET /v1/queue`` shows."""
+        rate = self.drain_rate(now_ms)
+        return {"drain_rate_per_s": round(rate, 2), "capacity_per_s": round(self.capacity(now_ms), 2),
+                "load": round(self.load(now_ms), 3),
+                "bands": {p.value: {"depth": self.depth[p.rank], "cap": self.caps[p.rank],
+                                    "eta_ms": _finite(self.eta_ms(p.rank, now_ms))} for p in Priority}}
+
+
+def _finite(x: float) -> float | None:
+    return None if x == float("inf") else round(x, 1)

@@ -1,0 +1,20 @@
+"""Local broker helpers that need no broker."""
+
+from __future__ import annotations
+
+import uuid
+from unittest import mock
+
+from pipeline.broker import new_cluster_id
+
+
+def test_a_cluster_id_never_starts_with_a_dash_which_the_storage_tool_reads_as_an_option():
+    # 0xfb... encodes to "-..." in URL-safe base64: the first draw must be skipped.
+    dash_first = uuid.UUID(bytes=b"\xfb" + bytes(15))
+    with mock.patch("pipeline.broker.uuid.uuid4", side_effect=[dash_first, uuid.UUID(int=1)]):
+        cid = new_cluster_id()
+    assert not cid.startswith("-") and len(cid) == 22
+
+
+def test_cluster_ids_are_random():
+    assert len({new_cluster_id() for _ in range(100)}) == 100
