@@ -63,7 +63,8 @@ REASON_PREFIXES = {Status.REJECTED: ("invalid_request: ", "duplicate_request_id:
 
 _STORE = SchemaStore.load()
 _REVISIONS = {r.revision: r for r in _STORE.revisions("llm_request")}
-HEADERS = {2: b"\xc3\x01" + _STORE.current_revision("llm_request").fingerprint.le_bytes,
+# Bodies are written as revision 2 (an older writer every reader still resolves) or 1.
+HEADERS = {2: b"\xc3\x01" + _REVISIONS[2].fingerprint.le_bytes,
            1: b"\xc3\x01" + _REVISIONS[1].fingerprint.le_bytes}
 FIELDS = {2: ("request_id", "tenant_id", "priority", "prompt", "model", "max_tokens", "created_at", "timeout_ms",
               "user_tier", "task_tier", "allow_degrade", "notify_queued", "trace_id", "metadata")}

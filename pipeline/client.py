@@ -4,10 +4,12 @@
 
 * ``submit`` encodes the request, routes it to its priority's topic keyed by tenant with
   an idempotent producer, and returns once the broker acknowledged it (or raises).
-* ``result`` waits for the response with that request_id. A listener thread reads the
-  response topic from the positions it had *before* the first submit, so a fast answer
-  is never missed; responses nobody waits for are dropped, and duplicates (possible after
-  a worker crash) are ignored after the first.
+* ``result`` waits for the terminal response with that request_id. A listener thread
+  reads the response topic from the positions it had *before* the first submit, so a fast
+  answer is never missed; responses nobody waits for are dropped, and duplicates (possible
+  after a worker crash) are ignored after the first.
+* ``QUEUED`` events (sent before the answer to requests with ``notify_queued``) never
+  resolve ``result``: ``queued(request_id)`` returns the latest one while it waits.
 
 Example::
 
@@ -47,6 +49,66 @@ class Submitted:
     offset: int
 
 
+class _Correlator:
+    """Matches responses to the futures waiting for them; no Kafka in here.
+
+    A waiter's future resolves with the first *terminal* response to its request id.
+    ``QUEUED`` events only replace the waiter's latest progress event; for requests
+    nobody waits for they are dropped, so they cannot push answers out of the small
+    buffer of early terminal responses kept for a late ``expect``.
+    """
+
+    def __init__(self, early_max: int = _EARLY_RESPONSES):
+        self._waiters: dict[str, Future] = {}
+        self._early: OrderedDict[str, Response] = OrderedDict()
+        self._queued: dict[str, Response] = {}
+        self._early_max = early_max
+        self._lock = threading.Lock()
+
+    def expect(self, request_id: str) -> Future:
+        with self._lock:
+            fut = self._waiters.get(request_id)
+            if fut is None:
+                fut = self._waiters[request_id] = Future()
+                early = self._early.pop(request_id, None)
+                if early is not None:
+                    fut.set_result(early)
+            return fut
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._waiters.pop(request_id, None)
+            self._queued.pop(request_id, None)
+
+    def queued(self, request_id: str) -> Response | None:
+        with self._lock:
+            return self._queued.get(request_id)
+
+    def deliver(self, response: Response) -> None:
+        request_id = response.request_id
+        with self._lock:
+            fut = self._waiters.get(request_id)
+            if not response.status.is_terminal:
+                if fut is not None and not fut.done():
+                    self._queued[request_id] = response
+                return
+            if fut is None:
+                # Not (yet) awaited: keep the newest few in case `result` is asked late.
+                self._early[request_id] = response
+                if len(self._early) > self._early_max:
+                    self._early.popitem(last=False)
+                return
+            if not fut.done():
+                self._queued.pop(request_id, None)
+                fut.set_result(response)
+
+    def fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            for fut in self._waiters.values():
+                if not fut.done():
+                    fut.set_exception(error)
+
+
 class _Engine:
     def __init__(self, settings: Settings, codec: Codec | None = None, listen: bool = True):
         self.settings = settings
@@ -55,9 +117,7 @@ class _Engine:
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._poll_producer, name="llmq-client-producer", daemon=True)
         self._poller.start()
-        self._waiters: dict[str, Future] = {}
-        self._early: OrderedDict[str, Response] = OrderedDict()
-        self._lock = threading.Lock()
+        self.correlator = _Correlator()
         self._listener: threading.Thread | None = None
         self._listening = threading.Event()
         self._listener_error: BaseException | None = None
@@ -100,18 +160,10 @@ class _Engine:
 
     def expect(self, request_id: str) -> Future:
         """Register interest in a response; call before submitting to be race-free."""
-        with self._lock:
-            fut = self._waiters.get(request_id)
-            if fut is None:
-                fut = self._waiters[request_id] = Future()
-                early = self._early.pop(request_id, None)
-                if early is not None:
-                    fut.set_result(early)
-            return fut
+        return self.correlator.expect(request_id)
 
     def forget(self, request_id: str) -> None:
-        with self._lock:
-            self._waiters.pop(request_id, None)
+        self.correlator.forget(request_id)
 
     def _start_listener(self) -> None:
         topic = self.settings.topics.responses
@@ -183,27 +235,12 @@ class _Engine:
                         log.warning("undecodable response at %s[%d]@%d: %s", msg.topic(), msg.partition(),
                                     msg.offset(), exc)
                         continue
-                    self._deliver(response)
+                    self.correlator.deliver(response)
         except BaseException as exc:  # surfaced to waiters instead of dying silently
             self._listener_error = exc
-            with self._lock:
-                for fut in self._waiters.values():
-                    if not fut.done():
-                        fut.set_exception(LlmqError(f"response listener failed: {exc}"))
+            self.correlator.fail_all(LlmqError(f"response listener failed: {exc}"))
         finally:
             consumer.close()
-
-    def _deliver(self, response: Response) -> None:
-        with self._lock:
-            fut = self._waiters.get(response.request_id)
-            if fut is None:
-                # Not (yet) awaited: keep the newest few in case `result` is asked late.
-                self._early[response.request_id] = response
-                if len(self._early) > _EARLY_RESPONSES:
-                    self._early.popitem(last=False)
-                return
-            if not fut.done():
-                fut.set_result(response)
 
     def close(self, timeout: float = 10.0) -> None:
         remaining = self.producer.flush(timeout)
@@ -259,18 +296,28 @@ class LlmqClient:
         fut.result(timeout)
 
     def response_future(self, request_id: str) -> Future:
-        """A future resolved with the response to ``request_id`` (for callbacks, many at once).
+        """A future resolved with the terminal response to ``request_id`` (for callbacks, many at once).
 
-        Register it before submitting; call :meth:`result` or :meth:`forget` when done.
+        ``QUEUED`` events never resolve it (see :meth:`queued`). Register it before
+        submitting; call :meth:`result` or :meth:`forget` when done.
         """
         return self._engine.expect(request_id)
+
+    def queued(self, request_id: str) -> Response | None:
+        """The latest ``QUEUED`` event (``queue_position``, ``eta_ms``) of a tracked request.
+
+        ``None`` until one arrives (the gateway sends them only to requests with
+        ``notify_queued``), and again once the terminal response has arrived or the
+        request is forgotten. Poll it while :meth:`result` waits in another thread.
+        """
+        return self._engine.correlator.queued(request_id)
 
     def forget(self, request_id: str) -> None:
         """Stop holding the response to ``request_id``."""
         self._engine.forget(request_id)
 
     def result(self, request_id: str, timeout: float = 60.0) -> Response:
-        """Wait for the response to ``request_id``."""
+        """Wait for the terminal response to ``request_id`` (``QUEUED`` events are not one)."""
         fut = self._engine.expect(request_id)
         try:
             return fut.result(timeout)
@@ -309,7 +356,12 @@ class AsyncLlmqClient:
         except asyncio.TimeoutError:
             raise KafkaOperationError(f"submit {request.request_id}", f"not acknowledged within {timeout}s") from None
 
+    def queued(self, request_id: str) -> Response | None:
+        """The latest ``QUEUED`` event of a tracked request (see :meth:`LlmqClient.queued`)."""
+        return self._engine.correlator.queued(request_id)
+
     async def result(self, request_id: str, timeout: float = 60.0) -> Response:
+        """Wait for the terminal response to ``request_id`` (``QUEUED`` events are not one)."""
         fut = self._engine.expect(request_id)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 __all__ = [
     "Priority",
     "Status",
+    "TERMINAL_STATUSES",
     "TaskTier",
     "Request",
     "Response",
@@ -82,13 +83,30 @@ del _rank, _member
 
 
 class Status(_SymbolEnum):
-    """Terminal outcome of a request."""
+    """State of a request as reported on the response topic.
+
+    Every symbol but ``QUEUED`` is a terminal outcome (exactly one per request);
+    ``QUEUED`` is a progress event that may come any number of times before it.
+    ``is_terminal`` tells them apart; so does membership of :data:`TERMINAL_STATUSES`.
+    """
+
+    is_terminal: bool
 
     COMPLETED = "COMPLETED"
     REJECTED = "REJECTED"
     EXPIRED = "EXPIRED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
+    QUEUED = "QUEUED"
+
+
+#: The statuses that end a request; a client waiting for the answer waits for one of these.
+TERMINAL_STATUSES: frozenset[Status] = frozenset(m for m in Status if m is not Status.QUEUED)
+
+# An attribute, like Priority.rank: read per response by every client listener.
+for _member in Status:
+    _member.is_terminal = _member in TERMINAL_STATUSES
+del _member
 
 
 class TaskTier(_SymbolEnum):
@@ -131,6 +149,11 @@ class Request:
     notify_queued: bool = False
     trace_id: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    # Revision 3: set by the gateway, never by clients. Last, as in the schema, so
+    # positional construction with the earlier fields keeps working.
+    admitted_at: int | None = None
+    effective_priority: Priority | None = None
+    degraded_from: str | None = None
 
     @classmethod
     def new(
@@ -147,15 +170,19 @@ class Request:
         """A fresh request with a random UUID4 ``request_id`` and ``created_at`` = now.
 
         ``optional`` takes any other field (``user_tier``, ``task_tier``,
-        ``allow_degrade``, ``notify_queued``, ``trace_id``, ``metadata``, and also
-        ``request_id``/``created_at`` to pin them). ``priority`` and ``task_tier`` may
-        be given as case-insensitive names.
+        ``allow_degrade``, ``notify_queued``, ``trace_id``, ``metadata``, the
+        gateway's ``admitted_at``/``effective_priority``/``degraded_from``, and also
+        ``request_id``/``created_at`` to pin them). ``priority``, ``task_tier`` and
+        ``effective_priority`` may be given as case-insensitive names.
         """
         if type(priority) is not Priority:
             priority = Priority.parse(priority)
         task_tier = optional.get("task_tier")
         if task_tier is not None and type(task_tier) is not TaskTier:
             optional["task_tier"] = TaskTier.parse(task_tier)
+        effective = optional.get("effective_priority")
+        if effective is not None and type(effective) is not Priority:
+            optional["effective_priority"] = Priority.parse(effective)
         request_id = optional.pop("request_id", None) or str(uuid.uuid4())
         created_at = optional.pop("created_at", None)
         if created_at is None:
@@ -177,8 +204,14 @@ class Request:
         """Epoch milliseconds after which the client no longer wants an answer."""
         return self.created_at + self.timeout_ms
 
+    @property
+    def serving_priority(self) -> Priority:
+        """The band it is served in: the gateway's ``effective_priority``, else ``priority``."""
+        return self.effective_priority or self.priority
+
     def to_record(self) -> dict[str, Any]:
         """The Avro record dict (enums as symbol strings; ``metadata`` is not copied)."""
+        effective = self.effective_priority
         return {
             "request_id": self.request_id,
             "tenant_id": self.tenant_id,
@@ -194,6 +227,9 @@ class Request:
             "notify_queued": self.notify_queued,
             "trace_id": self.trace_id,
             "metadata": self.metadata,
+            "admitted_at": self.admitted_at,
+            "effective_priority": None if effective is None else effective._value_,
+            "degraded_from": self.degraded_from,
         }
 
     @classmethod
@@ -213,6 +249,12 @@ class Request:
             task_tier = _TASK_TIER_BY_SYMBOL[task_tier]
         except (KeyError, TypeError):
             raise _symbol_error(TaskTier, "task_tier", task_tier) from None
+        effective = rec.get("effective_priority")
+        if effective is not None:
+            try:
+                effective = _PRIORITY_BY_SYMBOL[effective]
+            except (KeyError, TypeError):
+                raise _symbol_error(Priority, "effective_priority", effective) from None
         return cls(
             rec["request_id"],
             rec["tenant_id"],
@@ -228,13 +270,18 @@ class Request:
             rec.get("notify_queued", False),
             rec.get("trace_id"),
             rec.get("metadata") or {},
+            rec.get("admitted_at"),
+            effective,
+            rec.get("degraded_from"),
         )
 
 
 @dataclass(slots=True, kw_only=True)
 class Response:
-    """The terminal answer to one request (Avro record ``io.llmq.v1.LLMResponse``).
+    """The answer to one request (Avro record ``io.llmq.v1.LLMResponse``).
 
+    Either its terminal outcome or, when ``status`` is ``QUEUED``, a progress event
+    (``queue_position``/``eta_ms``) sent before it; ``status.is_terminal`` tells which.
     Keyword-only, because the schema puts required fields (``requested_priority``,
     ``created_at``, ``finished_at``) after optional ones. Build one with
     :meth:`for_request`.
@@ -258,6 +305,8 @@ class Response:
     worker_id: str | None = None
     retry_after_ms: int | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    queue_position: int | None = None
+    eta_ms: int | None = None
 
     @classmethod
     def for_request(cls, req: Request, status: Status | str, **fields: Any) -> Response:
@@ -305,6 +354,8 @@ class Response:
             "worker_id": self.worker_id,
             "retry_after_ms": self.retry_after_ms,
             "metadata": self.metadata,
+            "queue_position": self.queue_position,
+            "eta_ms": self.eta_ms,
         }
 
     @classmethod
@@ -349,4 +400,6 @@ class Response:
             worker_id=rec.get("worker_id"),
             retry_after_ms=rec.get("retry_after_ms"),
             metadata=rec.get("metadata") or {},
+            queue_position=rec.get("queue_position"),
+            eta_ms=rec.get("eta_ms"),
         )

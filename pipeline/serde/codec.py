@@ -86,14 +86,15 @@ _INT64_MAX = (1 << 63) - 1
 
 # Fields of each record by the cap that applies to them (besides metadata).
 _REQUEST_STRINGS = ("request_id", "tenant_id", "model")
-_REQUEST_OPTIONAL_STRINGS = ("user_tier", "trace_id")
+_REQUEST_OPTIONAL_STRINGS = ("user_tier", "trace_id", "degraded_from")
 _REQUEST_INTS = ("max_tokens",)
 _REQUEST_LONGS = ("created_at", "timeout_ms")
+_REQUEST_OPTIONAL_LONGS = ("admitted_at",)
 _RESPONSE_STRINGS = ("request_id", "tenant_id")
 _RESPONSE_OPTIONAL_STRINGS = ("reason", "model", "worker_id")
 _RESPONSE_INTS = ("prompt_tokens", "completion_tokens")
 _RESPONSE_LONGS = ("created_at", "finished_at")
-_RESPONSE_OPTIONAL_LONGS = ("admitted_at", "started_at", "retry_after_ms")
+_RESPONSE_OPTIONAL_LONGS = ("admitted_at", "started_at", "retry_after_ms", "queue_position", "eta_ms")
 
 
 _NO_METADATA: dict = {}
@@ -127,6 +128,7 @@ def _request_fast_ok(rec: dict, quick: int, big_quick: int, max_entries: int, st
     # revision; required ones are always there.
     user_tier = rec.get("user_tier")
     trace_id = rec.get("trace_id")
+    degraded_from = rec.get("degraded_from")
     metadata = rec.get("metadata", _NO_METADATA)
     max_tokens = rec["max_tokens"]
     if (
@@ -136,14 +138,20 @@ def _request_fast_ok(rec: dict, quick: int, big_quick: int, max_entries: int, st
         or len(rec["model"]) > quick
         or (user_tier is not None and len(user_tier) > quick)
         or (trace_id is not None and len(trace_id) > quick)
+        or (degraded_from is not None and len(degraded_from) > quick)
         or len(metadata) > max_entries
         or not _INT32_MIN <= max_tokens <= _INT32_MAX
     ):
         return False
-    if strict and (
-        type(max_tokens) is not int or type(rec["created_at"]) is not int or type(rec["timeout_ms"]) is not int
-    ):
-        return False
+    if strict:
+        admitted_at = rec.get("admitted_at")
+        if (
+            type(max_tokens) is not int
+            or type(rec["created_at"]) is not int
+            or type(rec["timeout_ms"]) is not int
+            or (admitted_at is not None and type(admitted_at) is not int)
+        ):
+            return False
     for key, value in metadata.items():
         if len(key) > quick or len(value) > quick:
             return False
@@ -301,7 +309,7 @@ class Codec:
             "LLMRequest", self.limits, fast=_request_fast_ok,
             strings=_REQUEST_STRINGS, optional_strings=_REQUEST_OPTIONAL_STRINGS,
             big_field="prompt", big_cap=self.limits.max_prompt_bytes, big_limit="max_prompt_bytes",
-            ints=_REQUEST_INTS, longs=_REQUEST_LONGS, optional_longs=(),
+            ints=_REQUEST_INTS, longs=_REQUEST_LONGS, optional_longs=_REQUEST_OPTIONAL_LONGS,
         )
         self._response_check = _Check(
             "LLMResponse", self.limits, fast=_response_fast_ok,

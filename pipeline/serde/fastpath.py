@@ -100,7 +100,9 @@ class ModelBinding:
     enums: Mapping[str, type[Enum]]
 
 
-REQUEST_BINDING = ModelBinding(Request, {"priority": Priority, "task_tier": TaskTier})
+REQUEST_BINDING = ModelBinding(
+    Request, {"priority": Priority, "task_tier": TaskTier, "effective_priority": Priority}
+)
 RESPONSE_BINDING = ModelBinding(
     Response, {"status": Status, "requested_priority": Priority, "served_priority": Priority}
 )

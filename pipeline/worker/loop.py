@@ -38,7 +38,7 @@ from pipeline.policy.validation import validate_request
 from pipeline.serde import Codec
 from pipeline.serde.factory import codec_for
 from pipeline.worker.backends.base import Backend, Completion
-from pipeline.worker.offsets import OffsetTracker
+from pipeline.worker.offsets import OffsetTracker, decode_done
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class WorkerStats:
     dead_lettered: int = 0
     delivery_retries: int = 0
     commits: int = 0
+    skipped_done: int = 0  # redelivered messages already answered (listed in commit metadata)
     rebalances: int = 0
     delivered: int = 0  # responses and dead letters the broker acknowledged (exactly-once: committed)
     first_consumed_at: float = 0.0  # time.perf_counter() of the first message
@@ -117,6 +118,8 @@ class Worker:
         # them, then go out in one transaction with the offsets that cover them.
         self.exactly_once = self.cfg.delivery == "exactly-once"
         self._ready: dict[tuple, dict[int, tuple]] = {}
+        # At-least-once: offsets the previous owner answered past its commit position, per partition.
+        self._done_before: dict[tuple, set[int]] = {}
         self._restart = False
         # A transactional call may block the poll loop this long: well inside max.poll.interval.ms,
         # so a slow commit (broker restarting) never evicts the worker from its group.
@@ -153,6 +156,7 @@ class Worker:
         self.tracker = OffsetTracker()
         self._backlog = [deque() for _ in Priority]
         self._ready.clear()
+        self._done_before.clear()
         self._tasks.clear()
         self._task_of.clear()
         self._seen.clear()
@@ -256,7 +260,18 @@ class Worker:
                     self._fatal = KafkaOperationError("consume", err.str(), err)
             return
         topic = msg.topic()
-        self.tracker.started((topic, msg.partition()), msg.offset())
+        tp = (topic, msg.partition())
+        offset = msg.offset()
+        self.tracker.started(tp, offset)
+        if self._done_before:
+            done = self._done_before.get(tp)
+            if done is not None and offset in done:
+                # Answered by the partition's previous owner after its last commit position
+                # (its commit said so): finished already, not a second time.
+                done.discard(offset)
+                self.stats.skipped_done += 1
+                self.tracker.finished(tp, offset)
+                return
         self._backlog[self._rank.get(topic, 4)].append(msg)
 
     def _dispatch(self) -> int:
@@ -359,8 +374,7 @@ class Worker:
             self.stats.rejected += 1
             self.metrics.outcome(band, "rejected")
             self.metrics.rejections.labels(band, reason_code(invalid)).inc()
-            self._respond(tp, offset, Response.for_request(
-                request, Status.REJECTED, reason=invalid, worker_id=self.worker_id, metadata=_trace(request)))
+            self._respond(tp, offset, _answer(request, Status.REJECTED, self.worker_id, reason=invalid))
             return
         cancelled = self.cancellations.reason(request.request_id) if self.cancellations is not None else None
         if cancelled is not None:
@@ -369,10 +383,9 @@ class Worker:
         if request.created_at + request.timeout_ms <= started:
             self.stats.expired += 1
             self.metrics.outcome(band, "expired")
-            self._respond(tp, offset, Response.for_request(
-                request, Status.EXPIRED, reason="deadline_passed: the request's timeout ran out before a worker "
-                                                "took it", worker_id=self.worker_id, started_at=started,
-                metadata=_trace(request)))
+            self._respond(tp, offset, _answer(
+                request, Status.EXPIRED, self.worker_id, started_at=started,
+                reason="deadline_passed: the request's timeout ran out before a worker took it"))
             return
         self.metrics.waited(band, request.tenant_id, max(0, started - request.created_at) / 1000.0)
         completion = self.backend.complete_now(request)
@@ -393,9 +406,8 @@ class Worker:
     def _respond_cancelled(self, tp, offset: int, request: Request, started: int, reason: str) -> None:
         self.stats.cancelled += 1
         self.metrics.outcome(request.priority._value_, "cancelled")
-        self._respond(tp, offset, Response.for_request(
-            request, Status.CANCELLED, reason=f"cancelled: {reason}", worker_id=self.worker_id, started_at=started,
-            metadata=_trace(request)))
+        self._respond(tp, offset, _answer(
+            request, Status.CANCELLED, self.worker_id, reason=f"cancelled: {reason}", started_at=started))
 
     def _duplicate(self, request_id: str) -> str | None:
         seen = self._seen
@@ -424,17 +436,16 @@ class Worker:
         except BackendError as exc:
             self.stats.failed += 1
             self.metrics.outcome(request.priority._value_, "failed")
-            self._respond(tp, offset, Response.for_request(
-                request, Status.FAILED, reason=f"backend_error: {exc}", worker_id=self.worker_id,
-                started_at=started, served_priority=request.priority, model=request.model, metadata=_trace(request)))
+            self._respond(tp, offset, _answer(
+                request, Status.FAILED, self.worker_id, reason=f"backend_error: {exc}", started_at=started,
+                model=request.model))
         except Exception as exc:  # a backend bug must not lose the request
             log.exception("backend %s crashed on request %s", self.backend.name, request.request_id)
             self.stats.failed += 1
             self.metrics.outcome(request.priority._value_, "failed")
-            self._respond(tp, offset, Response.for_request(
-                request, Status.FAILED, reason=f"backend_error: {type(exc).__name__}: {exc}",
-                worker_id=self.worker_id, started_at=started, served_priority=request.priority,
-                model=request.model, metadata=_trace(request)))
+            self._respond(tp, offset, _answer(
+                request, Status.FAILED, self.worker_id, reason=f"backend_error: {type(exc).__name__}: {exc}",
+                started_at=started, model=request.model))
         else:
             self._respond_completed(tp, offset, request, started, completion, time.perf_counter() - t0)
         finally:
@@ -452,12 +463,14 @@ class Worker:
         m.served(band, c.model, seconds)
         m.tokens.labels(band, "prompt").inc(c.prompt_tokens)
         m.tokens.labels(band, "completion").inc(c.completion_tokens)
-        # Built directly rather than through Response.for_request: this runs per message.
+        # Built directly rather than through _answer: this runs per message. The gateway
+        # fields are copied as _answer copies them (keep the two in step).
         self._respond(tp, offset, Response(
             request_id=request.request_id, tenant_id=request.tenant_id, status=Status.COMPLETED,
             output=c.output, prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens, model=c.model,
-            requested_priority=request.priority, served_priority=request.priority, created_at=request.created_at,
-            started_at=started, finished_at=_now_ms(), worker_id=self.worker_id,
+            degraded=request.degraded_from is not None, requested_priority=request.priority,
+            served_priority=request.effective_priority or request.priority, created_at=request.created_at,
+            admitted_at=request.admitted_at, started_at=started, finished_at=_now_ms(), worker_id=self.worker_id,
             metadata={"trace_id": request.trace_id} if request.trace_id else {}))
 
     def _respond(self, tp, offset: int, response: Response) -> None:
@@ -483,7 +496,8 @@ class Worker:
         self.metrics.outcome(response.requested_priority._value_, "failed")
         failed = Response(
             request_id=response.request_id, tenant_id=response.tenant_id, status=Status.FAILED, reason=reason[:500],
-            model=None, requested_priority=response.requested_priority, served_priority=response.served_priority,
+            model=None, degraded=response.degraded, requested_priority=response.requested_priority,
+            served_priority=response.served_priority,
             created_at=response.created_at, admitted_at=response.admitted_at, started_at=response.started_at,
             finished_at=_now_ms(), worker_id=self.worker_id)
         return self.codec.encode_response(failed, self._wire, self.responses_topic)
@@ -551,10 +565,12 @@ class Worker:
         if self.exactly_once:
             self._commit_transaction()
             return
-        positions = self.tracker.to_commit(only)
+        # Each commit also lists the offsets finished past its position, so a slow message at
+        # a partition's head does not make its next owner redo everything behind it.
+        positions = self.tracker.to_commit_with_done(only)
         if not positions:
             return
-        offsets = [TopicPartition(t, p, pos) for (t, p), pos in positions]
+        offsets = [TopicPartition(t, p, pos, done) for (t, p), pos, done in positions]
         try:
             self.consumer.commit(offsets=offsets, asynchronous=asynchronous)
         except KafkaException as exc:
@@ -563,7 +579,7 @@ class Worker:
             # last successful commit, which only means redelivery.
             log.warning("commit failed (%s); those requests may be redelivered", err)
             return
-        self.tracker.mark_committed(positions)
+        self.tracker.mark_committed_with_done(positions)
         self.stats.commits += 1
         if not asynchronous:
             self.metrics.last_commit.labels(self.metrics.pool).set(time.time())
@@ -647,6 +663,27 @@ class Worker:
         self.metrics.rebalances.labels(self.metrics.pool).inc()
         self._assignment_changed = True
         log.info("assigned %s", _fmt(partitions))
+        if not self.exactly_once and partitions:
+            self._load_done_before(consumer, partitions)
+
+    def _load_done_before(self, consumer, partitions) -> None:
+        """Offsets past each committed position that were already answered (commit metadata)."""
+        try:
+            committed = consumer.committed(partitions, timeout=10)
+        except KafkaException as exc:
+            log.info("could not read commit metadata (%s); finished requests may be answered twice", exc)
+            return
+        skipped = 0
+        for tp in committed:
+            done = decode_done(tp.offset, tp.metadata)
+            key = (tp.topic, tp.partition)
+            if done:
+                self._done_before[key] = done
+                skipped += len(done)
+            else:
+                self._done_before.pop(key, None)
+        if skipped:
+            log.info("%d requests past the committed offsets were answered before; skipping them", skipped)
 
     def _on_revoke(self, consumer, partitions) -> None:
         self.stats.rebalances += 1
@@ -662,12 +699,18 @@ class Worker:
                 task.cancel()
                 self._tasks.pop(key, None)
         self._drop_queued(revoked)
+        for tp in revoked:
+            self._done_before.pop(tp, None)
         # Publish and acknowledge what is finished, commit it, then let the partitions go.
         if self.producer is not None:  # None once abandoned: nothing can be committed then
             self.producer.flush(10)
         self._commit(asynchronous=False, only=revoked)
         for tp in revoked:
             self.tracker.forget(tp)
+            # Exactly-once outcomes past the committed position are not ours to publish any
+            # more: the next owner redoes them. Kept, they would go out if the partition came
+            # back, after the other owner had already answered them.
+            self._ready.pop(tp, None)
 
     def _on_lost(self, consumer, partitions) -> None:
         # Lost, not revoked: another member may already own them, so committing is pointless.
@@ -681,6 +724,8 @@ class Worker:
         self._drop_queued(lost)
         for tp in lost:
             self.tracker.forget(tp)
+            self._ready.pop(tp, None)
+            self._done_before.pop(tp, None)
 
     def _drop_queued(self, partitions: set) -> None:
         # Taken but not started: uncommitted, so the partitions' next owner runs them.
@@ -766,6 +811,20 @@ def _bounded_call(fn, timeout_s: float):
 
 def _trace(request: Request) -> dict[str, str]:
     return {"trace_id": request.trace_id} if request.trace_id else {}
+
+
+def _answer(request: Request, status: Status, worker_id: str, **fields) -> Response:
+    """A worker's response to ``request`` other than the hot COMPLETED one.
+
+    Every outcome carries what the gateway decided, whether or not the model was called:
+    ``served_priority`` is the band the request was handled in (the gateway's
+    ``effective_priority``, else the requested one), so expirations and cancellations can
+    be split by the band they waited in; ``degraded`` says the gateway swapped the model.
+    """
+    return Response.for_request(
+        request, status, worker_id=worker_id, admitted_at=request.admitted_at,
+        served_priority=request.effective_priority or request.priority,
+        degraded=request.degraded_from is not None, metadata=_trace(request), **fields)
 
 
 def _fmt(partitions) -> str:

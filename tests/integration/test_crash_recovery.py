@@ -140,3 +140,39 @@ def test_exactly_once_mode_sigkill_mid_load_then_restart_has_no_loss_and_no_dupl
     print(f"\nexactly-once, kill -9 at a third of {total}: missing={len(missing)} duplicates={duplicates}")
     assert not missing
     assert duplicates == 0
+
+
+def test_after_a_kill_the_requests_finished_behind_a_slow_one_are_not_answered_again(settings):
+    """A slow request at a partition's head holds its commit position; the commit metadata
+    lists what finished behind it, so a restarted worker redoes only the slow one."""
+    from pipeline.worker.backends.simulated import LATENCY_METADATA_KEY
+
+    def req(prompt, **metadata):
+        # one tenant and band: one partition, in this order
+        return Request.new("tenant-hol", prompt, priority=Priority.NORMAL, max_tokens=4, timeout_ms=600_000,
+                           metadata=metadata)
+
+    slow = req("slow head", **{LATENCY_METADATA_KEY: "8000"})
+    fast = [req(f"fast {i}") for i in range(300)]
+    with LlmqClient(settings, listen=False) as client:
+        for r in [slow, *fast]:
+            client.submit(r)
+    worker = _worker(settings, "--sim-latency-ms", "2", "--max-inflight", "16")
+    _response_ids(settings, until=lambda n: n >= len(fast), timeout=60)
+    time.sleep(1.5)  # several commit intervals: the list of finished offsets is committed
+    worker.send_signal(signal.SIGKILL)
+    worker.wait(10)
+    assert slow.request_id not in _response_ids(settings)  # still in flight at the kill
+    restarted = _worker(settings, "--sim-latency-ms", "2", "--max-inflight", "16")
+    try:
+        _response_ids(settings, until=lambda n: n >= len(fast) + 1, timeout=60)
+        time.sleep(1)
+        ids = _response_ids(settings)
+    finally:
+        restarted.send_signal(signal.SIGTERM)
+        assert restarted.wait(30) == 0, restarted.stderr.read()
+    counts = collections.Counter(ids)
+    duplicates = sum(c - 1 for c in counts.values())
+    print(f"\nkill -9 with a slow head and 300 finished behind it: duplicates={duplicates}")
+    assert set(counts) == {slow.request_id, *(r.request_id for r in fast)}
+    assert duplicates == 0

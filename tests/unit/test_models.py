@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.models import Priority, Request, Response, Status, TaskTier, now_ms
+from pipeline.models import TERMINAL_STATUSES, Priority, Request, Response, Status, TaskTier, now_ms
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 
@@ -53,6 +53,23 @@ def test_priority_ranks_follow_declaration_order():
 def test_enums_mirror_schema_symbols(enum_cls, schema, enum_name):
     assert [m.value for m in enum_cls] == _enum_symbols(_schema(schema), enum_name)
     assert all(m.value == m.name for m in enum_cls)
+
+
+def test_queued_is_the_only_non_terminal_status():
+    assert [s for s in Status if not s.is_terminal] == [Status.QUEUED]
+    assert TERMINAL_STATUSES == {s for s in Status if s.is_terminal}
+    assert Status.QUEUED not in TERMINAL_STATUSES and Status.COMPLETED in TERMINAL_STATUSES
+
+
+def test_status_symbols_only_grow_at_the_end():
+    # Revision 1's indexes must keep their meaning: QUEUED was appended.
+    old = _enum_symbols(json.loads((SCHEMAS / "history" / "llm_response.1.avsc").read_text()), "Status")
+    assert [s.value for s in Status][: len(old)] == old
+
+
+def test_status_enum_default_is_a_non_terminal_symbol():
+    status = next(f["type"] for f in _schema("llm_response")["fields"] if f["name"] == "status")
+    assert Status(status["default"]) is Status.QUEUED
 
 
 @pytest.mark.parametrize("text", ["high", "HIGH", " High ", "hIgH\n"])
@@ -134,6 +151,21 @@ def test_request_new_takes_optional_fields_and_names():
     assert (req.request_id, req.created_at, req.trace_id, req.metadata) == ("fixed", 42, "tr", {"a": "b"})
 
 
+def test_request_new_takes_gateway_fields():
+    req = Request.new("t", "p", admitted_at=7, effective_priority="low", degraded_from="sim-large")
+    assert (req.admitted_at, req.effective_priority, req.degraded_from) == (7, Priority.LOW, "sim-large")
+    plain = Request.new("t", "p")
+    assert (plain.admitted_at, plain.effective_priority, plain.degraded_from) == (None, None, None)
+    assert plain.serving_priority is Priority.NORMAL and req.serving_priority is Priority.LOW
+
+
+def test_request_positional_construction_is_unchanged_by_revision_3():
+    # The revision 3 fields come after metadata, so the 14 positional arguments of
+    # revision 2 still land where they did.
+    req = Request("id", "t", Priority.HIGH, "p", "m", 1, 2, 3, "gold", TaskTier.REALTIME, True, True, "tr", {"k": "v"})
+    assert req.metadata == {"k": "v"} and req.admitted_at is None
+
+
 def test_request_new_rejects_unknown_fields_and_priorities():
     with pytest.raises(TypeError):
         Request.new("t", "p", colour="red")
@@ -161,8 +193,9 @@ def test_request_record_round_trip_and_plain_symbols():
 
 
 def test_request_from_record_fills_absent_optional_fields():
-    rec = Request.new("t", "p").to_record()
-    for name in ("user_tier", "task_tier", "allow_degrade", "notify_queued", "trace_id", "metadata"):
+    rec = Request.new("t", "p", admitted_at=1, effective_priority=Priority.HIGH, degraded_from="m").to_record()
+    for name in ("user_tier", "task_tier", "allow_degrade", "notify_queued", "trace_id", "metadata",
+                 "admitted_at", "effective_priority", "degraded_from"):
         del rec[name]
     req = Request.from_record(rec)
     assert (req.user_tier, req.task_tier, req.notify_queued, req.trace_id, req.metadata) == (
@@ -172,6 +205,16 @@ def test_request_from_record_fills_absent_optional_fields():
         None,
         {},
     )
+    assert (req.admitted_at, req.effective_priority, req.degraded_from) == (None, None, None)
+
+
+def test_request_gateway_fields_record_round_trip():
+    req = Request.new("t", "p", admitted_at=123, effective_priority=Priority.CRITICAL, degraded_from="sim-large")
+    rec = req.to_record()
+    assert rec["effective_priority"] == "CRITICAL" and type(rec["effective_priority"]) is str
+    assert (rec["admitted_at"], rec["degraded_from"]) == (123, "sim-large")
+    back = Request.from_record(rec)
+    assert back == req and back.effective_priority is Priority.CRITICAL
 
 
 def test_request_from_record_errors():
@@ -180,6 +223,8 @@ def test_request_from_record_errors():
         Request.from_record({**rec, "priority": "URGENT"})
     with pytest.raises(ValueError, match="task_tier"):
         Request.from_record({**rec, "task_tier": ["not", "hashable"]})
+    with pytest.raises(ValueError, match="effective_priority"):
+        Request.from_record({**rec, "effective_priority": "URGENT"})
     del rec["prompt"]
     with pytest.raises(KeyError):
         Request.from_record(rec)
@@ -225,6 +270,16 @@ def test_response_record_round_trip(served):
     assert rec["served_priority"] == (None if served is None else "LOW")
     assert list(rec) == [f.name for f in dataclasses.fields(Response)]
     assert Response.from_record(rec) == resp
+
+
+def test_queued_response_record_round_trip():
+    resp = Response.for_request(Request.new("t", "p"), "queued", queue_position=4, eta_ms=2500)
+    rec = resp.to_record()
+    assert (rec["status"], rec["queue_position"], rec["eta_ms"]) == ("QUEUED", 4, 2500)
+    back = Response.from_record(rec)
+    assert back == resp and not back.status.is_terminal
+    del rec["queue_position"], rec["eta_ms"]  # as a revision 1 record has it
+    assert (Response.from_record(rec).queue_position, Response.from_record(rec).eta_ms) == (None, None)
 
 
 def test_response_from_record_rejects_unknown_symbols():

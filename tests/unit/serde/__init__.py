@@ -56,6 +56,19 @@ def write_schema_dir(root: Path, history: dict[str, list[dict]], current: dict[s
     return root
 
 
+def pinned_schema_dir(root: Path, **current_revision: int) -> Path:
+    """Every published revision, with the current schema of each name pinned to an older one.
+
+    ``pinned_schema_dir(root, llm_request=2)`` is what a consumer deployed before revision 3
+    would run, once it has been given the newer history (load it with
+    ``allow_older_current=True``); names not given stay at their newest revision.
+    """
+    root = copy_schema_dir(root)
+    for name, revision in current_revision.items():
+        shutil.copyfile(root / "history" / f"{name}.{revision}.avsc", root / f"{name}.avsc")
+    return root
+
+
 def copy_schema_dir(root: Path) -> Path:
     """A copy of the repository's schemas/ at ``root`` (which must not exist)."""
     shutil.copytree(SCHEMAS_DIR, root)
@@ -79,6 +92,9 @@ def full_request(**overrides: Any) -> Request:
         notify_queued=True,
         trace_id="trace-abc-123",
         metadata={"source": "cli", "lang": "en", "ключ": "значение"},
+        admitted_at=1_700_000_000_150,
+        effective_priority=Priority.CRITICAL,
+        degraded_from="sim-huge ✓",
     )
     fields.update(overrides)
     return Request(**fields)
@@ -121,6 +137,8 @@ def full_response(**overrides: Any) -> Response:
         worker_id="worker-3",
         retry_after_ms=1500,
         metadata={"trace_id": "trace-abc-123"},
+        queue_position=12,
+        eta_ms=4_200,
     )
     fields.update(overrides)
     return Response(**fields)

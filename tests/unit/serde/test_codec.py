@@ -21,6 +21,7 @@ from tests.unit.serde import (
     load_json,
     minimal_request,
     minimal_response,
+    pinned_schema_dir,
     write_schema_dir,
     zigzag,
 )
@@ -112,41 +113,99 @@ def test_default_codec_is_cached():
 
 # -- schema evolution ---------------------------------------------------------------
 
+# What a reader of the current revision fills in for fields an older writer lacks.
+_REQUEST_REV2_DEFAULTS = dict(admitted_at=None, effective_priority=None, degraded_from=None)
+_REQUEST_REV1_DEFAULTS = dict(notify_queued=False, trace_id=None, **_REQUEST_REV2_DEFAULTS)
+_RESPONSE_REV1_DEFAULTS = dict(queue_position=None, eta_ms=None)
+
 
 def test_revision_1_writer_decodes_with_current_reader(codec):
     rev1 = history_schema("llm_request", 1)
-    record = full_request().to_record()
-    del record["notify_queued"], record["trace_id"]  # not in revision 1
-    data = _header(rev1) + avro_body(rev1, record)
+    data = _header(rev1) + avro_body(rev1, full_request().to_record())  # fastavro drops the later fields
+    assert codec.decode_request(data) == full_request(**_REQUEST_REV1_DEFAULTS)
+
+
+def test_revision_2_writer_decodes_with_revision_3_reader(codec):
+    rev2 = history_schema("llm_request", 2)
+    data = _header(rev2) + avro_body(rev2, full_request().to_record())
     req = codec.decode_request(data)
-    assert req == full_request(notify_queued=False, trace_id=None)  # defaults of revision 2
+    assert req == full_request(**_REQUEST_REV2_DEFAULTS)
+    assert req.serving_priority is req.priority  # no gateway: the requested band
+
+
+def _pinned(tmp_path_factory, label: str, **revisions: int) -> Codec:
+    root = pinned_schema_dir(tmp_path_factory.mktemp(label) / "schemas", **revisions)
+    return Codec(SchemaStore.load(root, allow_older_current=True))
 
 
 @pytest.fixture(scope="module")
 def old_codec(tmp_path_factory) -> Codec:
-    """A consumer whose current request schema is still revision 1."""
-    root = write_schema_dir(
-        tmp_path_factory.mktemp("old") / "schemas",
-        history={
-            "llm_request": [history_schema("llm_request", 1), history_schema("llm_request", 2)],
-            "llm_response": [history_schema("llm_response", 1)],
-        },
-        current={"llm_request": history_schema("llm_request", 1), "llm_response": history_schema("llm_response", 1)},
-    )
-    return Codec(SchemaStore.load(root, allow_older_current=True))
+    """A consumer whose current schemas are still revision 1 (request and response)."""
+    return _pinned(tmp_path_factory, "old", llm_request=1, llm_response=1)
+
+
+@pytest.fixture(scope="module")
+def rev2_codec(tmp_path_factory) -> Codec:
+    """A consumer deployed before the gateway: request revision 2, response revision 1."""
+    return _pinned(tmp_path_factory, "rev2", llm_request=2, llm_response=1)
 
 
 def test_current_writer_decodes_with_revision_1_reader(codec, old_codec):
     data = codec.encode_request(full_request())
-    req = old_codec.decode_request(data)
-    # Revision 1 knows nothing of notify_queued/trace_id: they come back as defaults.
-    assert req == full_request(notify_queued=False, trace_id=None)
+    # Revision 1 knows none of the later fields: they come back as defaults.
+    assert old_codec.decode_request(data) == full_request(**_REQUEST_REV1_DEFAULTS)
+
+
+def test_revision_3_writer_decodes_with_revision_2_reader(codec, rev2_codec):
+    data = codec.encode_request(full_request())
+    assert data[:10] == _header(history_schema("llm_request", 3))
+    assert rev2_codec.decode_request(data) == full_request(**_REQUEST_REV2_DEFAULTS)
 
 
 def test_revision_1_codec_writes_revision_1(old_codec, codec):
     data = old_codec.encode_request(full_request())
     assert data[:10] == _header(history_schema("llm_request", 1))
-    assert codec.decode_request(data) == full_request(notify_queued=False, trace_id=None)
+    assert codec.decode_request(data) == full_request(**_REQUEST_REV1_DEFAULTS)
+
+
+def test_revision_2_codec_writes_revision_2(rev2_codec, codec):
+    data = rev2_codec.encode_request(full_request())
+    assert data[:10] == _header(history_schema("llm_request", 2))
+    assert codec.decode_request(data) == full_request(**_REQUEST_REV2_DEFAULTS)
+
+
+def test_response_revision_1_writer_decodes_with_revision_2_reader(codec, old_codec):
+    data = old_codec.encode_response(full_response())
+    assert data[:10] == _header(history_schema("llm_response", 1))
+    assert codec.decode_response(data) == full_response(**_RESPONSE_REV1_DEFAULTS)
+
+
+def test_response_revision_2_writer_decodes_with_revision_1_reader(codec, old_codec):
+    data = codec.encode_response(full_response())
+    assert data[:10] == _header(history_schema("llm_response", 2))
+    assert old_codec.decode_response(data) == full_response(**_RESPONSE_REV1_DEFAULTS)
+
+
+def test_queued_decodes_with_the_current_reader_only(codec, old_codec):
+    queued = full_response(status=Status.QUEUED, output=None, queue_position=3, eta_ms=1_500)
+    data = codec.encode_response(queued)
+    for reader in (codec, Codec(codec.store, fast=False)):
+        back = reader.decode_response(data)
+        assert back == queued and back.status is Status.QUEUED and not back.status.is_terminal
+    # Revision 1 has no QUEUED and no enum default to fall back on.
+    with pytest.raises(DecodeError) as info:
+        old_codec.decode_response(data)
+    assert _reason(info) == "invalid_field" and "QUEUED" in str(info.value)
+
+
+def test_status_indexes_of_revision_1_are_unchanged(codec):
+    # QUEUED was appended: every revision 1 symbol keeps its index, so the bytes agree.
+    rev1, rev2 = history_schema("llm_response", 1), history_schema("llm_response", 2)
+    for status in Status:
+        if status is Status.QUEUED:
+            continue
+        record = full_response(status=status).to_record()
+        assert avro_body(rev1, record) == avro_body(rev2, record)[: len(avro_body(rev1, record))]
 
 
 # -- guards -------------------------------------------------------------------------
@@ -327,11 +386,12 @@ def test_bad_enum_index(codec):
 
 def test_bad_union_index(codec):
     data = codec.encode_request(minimal_request())
-    # minimal request: ... notify_queued=00, trace_id branch=00, metadata=00
-    assert data.endswith(b"\x00\x00\x00")
-    with pytest.raises(DecodeError) as info:
-        codec.decode_request(data[:-2] + zigzag(9) + b"\x00")
-    assert _reason(info) == "invalid_field"
+    # minimal request: ... metadata=00, admitted_at, effective_priority, degraded_from branches=00
+    assert data.endswith(b"\x00\x00\x00\x00")
+    for at in (-3, -2, -1):
+        with pytest.raises(DecodeError) as info:
+            codec.decode_request(data[:at] + zigzag(9) + (data[at + 1:] if at < -1 else b""))
+        assert _reason(info) == "invalid_field"
 
 
 def test_negative_enum_index(codec, store):
@@ -395,11 +455,11 @@ def test_huge_map_count_is_rejected_fast(codec):
     # Every field at its smallest (one byte each), then a map block count of 2**62
     # where the empty metadata map's terminating zero was.
     data = codec.encode_request(minimal_request(request_id="", tenant_id="", prompt="", model="", user_tier=""))
-    assert len(data) == 10 + 14 and data[-1] == 0
+    assert len(data) == 10 + 17 and data[-4:] == bytes(4)  # metadata {}, then revision 3's three nulls
     start = time.perf_counter()
     for count in (2**62, -(2**62), 2**63 - 1, -(2**63)):
         with pytest.raises(DecodeError) as info:
-            codec.decode_request(data[:-1] + zigzag(count))
+            codec.decode_request(data[:-4] + zigzag(count) + data[-3:])
         assert _reason(info) == "truncated"
     assert time.perf_counter() - start < 0.1
 
@@ -442,6 +502,9 @@ def test_huge_array_count_is_rejected_fast(tmp_path):
         ({"max_tokens": True}, "max_tokens"),
         ({"created_at": 2**64}, "created_at"),
         ({"trace_id": 7}, "trace_id"),
+        ({"admitted_at": True}, "admitted_at"),
+        ({"admitted_at": "soon"}, "admitted_at"),
+        ({"degraded_from": 7}, "degraded_from"),
     ],
 )
 def test_encode_errors_name_the_record_and_field(codec, overrides, needle):
@@ -449,6 +512,11 @@ def test_encode_errors_name_the_record_and_field(codec, overrides, needle):
         codec.encode_request(full_request(**overrides))
     assert "LLMRequest" in str(info.value)
     assert needle in str(info.value)
+
+
+def test_encode_rejects_a_plain_string_for_effective_priority(codec):
+    with pytest.raises(EncodeError, match="LLMRequest"):
+        codec.encode_request(full_request(effective_priority="LOW"))
 
 
 def test_encode_rejects_plain_strings_for_enums(codec):

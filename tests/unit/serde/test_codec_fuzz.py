@@ -40,6 +40,9 @@ requests = st.builds(
     notify_queued=st.booleans(),
     trace_id=st.none() | short_text,
     metadata=metadata,
+    admitted_at=st.none() | int64,
+    effective_priority=st.none() | st.sampled_from(Priority),
+    degraded_from=st.none() | short_text,
 )
 
 responses = st.builds(
@@ -62,6 +65,8 @@ responses = st.builds(
     worker_id=st.none() | short_text,
     retry_after_ms=st.none() | int64,
     metadata=metadata,
+    queue_position=st.none() | int64,
+    eta_ms=st.none() | int64,
 )
 
 wires = st.sampled_from(["single-object", "confluent"])

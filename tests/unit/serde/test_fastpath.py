@@ -31,6 +31,7 @@ The deliberate differences, which :func:`_check_agreement` allows and nothing el
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import random
 import re
@@ -59,6 +60,7 @@ from tests.unit.serde import (
     load_json,
     minimal_request,
     minimal_response,
+    pinned_schema_dir,
     write_schema_dir,
     zigzag,
 )
@@ -103,6 +105,9 @@ requests = st.builds(
     notify_queued=st.booleans(),
     trace_id=st.none() | text,
     metadata=metadata,
+    admitted_at=st.none() | int64,
+    effective_priority=st.none() | st.sampled_from(Priority),
+    degraded_from=st.none() | text,
 )
 
 responses = st.builds(
@@ -125,6 +130,8 @@ responses = st.builds(
     worker_id=st.none() | text,
     retry_after_ms=st.none() | int64,
     metadata=metadata,
+    queue_position=st.none() | int64,
+    eta_ms=st.none() | int64,
 )
 
 wires = st.sampled_from(["single-object", "confluent"])
@@ -478,14 +485,16 @@ def test_many_random_mutations_agree():
 def _minimal_request_bytes() -> bytes:
     # header, request_id(len 0), tenant(0), priority NORMAL (04), prompt(0), model(0),
     # max_tokens 0, created_at 0, timeout_ms 0, user_tier(0), task_tier ASYNC (02),
-    # allow_degrade 0, notify_queued 0, trace_id null, metadata {}.
+    # allow_degrade 0, notify_queued 0, trace_id null, metadata {}, and revision 3's
+    # admitted_at, effective_priority and degraded_from null.
     data = FAST.encode_request(minimal_request(request_id="", tenant_id="", prompt="", model="", user_tier=""))
-    assert data[10:] == bytes([0, 0, 4, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0])
+    assert data[10:] == bytes([0, 0, 4, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0])
     return data
 
 
 _BODY = 10  # offset of the body in a single-object message
 _PRIORITY, _MAX_TOKENS, _CREATED_AT, _TASK_TIER, _ALLOW_DEGRADE, _TRACE_ID = 2, 5, 6, 9, 10, 12
+_METADATA, _ADMITTED_AT, _EFFECTIVE_PRIORITY, _DEGRADED_FROM = 13, 14, 15, 16
 
 
 def _patch(data: bytes, field_at: int, replacement: bytes) -> bytes:
@@ -539,7 +548,7 @@ def test_index_out_of_range_is_invalid_field_both_ways(field_at, index):
 def test_non_canonical_indexes_are_read_like_fastavro():
     # NORMAL (2) as a 3-byte varint; trace_id branch 1 as a 2-byte varint.
     data = _patch(_minimal_request_bytes(), _PRIORITY, b"\x84\x80\x00")
-    data = data[:-2] + b"\x82\x00" + b"\x02x" + data[-1:]
+    data = _patch(data, _TRACE_ID + 2, b"\x82\x00" + b"\x02x")  # (+2: the longer priority)
     assert FAST.decode_request(data) == SLOW.decode_request(data)
     assert FAST.decode_request(data).trace_id == "x"
 
@@ -645,7 +654,7 @@ def test_invalid_utf8_is_malformed():
 
 
 def _request_with_map_bytes(map_bytes: bytes) -> bytes:
-    return _minimal_request_bytes()[:-1] + map_bytes
+    return _patch(_minimal_request_bytes(), _METADATA, map_bytes)
 
 
 def test_map_blocks_like_fastavro():
@@ -795,25 +804,75 @@ def test_other_buffers_take_the_fast_path_too():
 # -- schema revisions and fallbacks -----------------------------------------------------------------
 
 
+_REVISION_3_DEFAULTS = dict(admitted_at=None, effective_priority=None, degraded_from=None)
+
+
 def test_older_writer_revision_goes_through_fastavro():
     rev1 = history_schema("llm_request", 1)
     record = full_request().to_record()
-    del record["notify_queued"], record["trace_id"]
     data = b"\xc3\x01" + STORE.revisions("llm_request")[0].fingerprint.le_bytes + avro_body(rev1, record)
-    assert FAST.decode_request(data) == SLOW.decode_request(data) == full_request(notify_queued=False, trace_id=None)
+    expected = full_request(notify_queued=False, trace_id=None, **_REVISION_3_DEFAULTS)
+    assert FAST.decode_request(data) == SLOW.decode_request(data) == expected
+    rev2 = history_schema("llm_request", 2)
+    data = b"\xc3\x01" + STORE.revisions("llm_request")[1].fingerprint.le_bytes + avro_body(rev2, record)
+    assert FAST.decode_request(data) == SLOW.decode_request(data) == full_request(**_REVISION_3_DEFAULTS)
+
+
+def test_older_response_writer_goes_through_fastavro():
+    rev1 = history_schema("llm_response", 1)
+    record = full_response().to_record()
+    data = b"\xc3\x01" + STORE.revisions("llm_response")[0].fingerprint.le_bytes + avro_body(rev1, record)
+    expected = full_response(queue_position=None, eta_ms=None)
+    assert FAST.decode_response(data) == SLOW.decode_response(data) == expected
+
+
+def test_gateway_fields_take_the_fast_path_and_match_fastavro():
+    req = full_request()
+    assert (req.admitted_at, req.effective_priority, req.degraded_from) != (None, None, None)
+    data = _fast_encode(FAST, req)  # not a bail-out to fastavro
+    assert data == SLOW.encode_request(req)
+    assert FAST.decode_request(data) == SLOW.decode_request(data) == req
+    queued = full_response(status=Status.QUEUED, output=None, queue_position=0, eta_ms=0)
+    data = _fast_encode(FAST, queued)
+    assert data == SLOW.encode_response(queued)
+    back = FAST.decode_response(data)
+    assert back == SLOW.decode_response(data) == queued and back.status is Status.QUEUED
+    # The generated code reads the new fields itself; fastavro is not behind it.
+    assert "degraded_from" in FAST._fast_request.decode_source
+    assert "eta_ms" in FAST._fast_response.encode_source
+
+
+def test_effective_priority_enum_guards_match_fastavro():
+    data = _patch(_minimal_request_bytes(), _EFFECTIVE_PRIORITY, b"\x02" + zigzag(5))  # index 5 of 5 symbols
+    for codec in (FAST, SLOW):
+        with pytest.raises(DecodeError) as info:
+            codec.decode_request(data)
+        assert info.value.reason == "invalid_field"
+    data = _patch(_minimal_request_bytes(), _EFFECTIVE_PRIORITY, b"\x02" + zigzag(-1))
+    assert SLOW.decode_request(data).effective_priority is Priority.BACKGROUND  # fastavro: from the end
+    with pytest.raises(DecodeError) as info:
+        FAST.decode_request(data)
+    assert "LLMRequest.effective_priority: negative enum index" in info.value.detail
+
+
+def test_degraded_from_is_capped_like_the_other_strings(tight):
+    lenient, fast, slow = tight
+    data = lenient.encode_request(full_request(degraded_from="d" * 41))
+    errors = []
+    for codec in (fast, slow):
+        with pytest.raises(DecodeError) as info:
+            codec.decode_request(data)
+        errors.append((info.value.reason, info.value.detail))
+    assert errors[0] == errors[1] == ("limit_exceeded", "LLMRequest.degraded_from: 41 bytes exceed max_string_bytes=40")
+    assert fast._fast_request.encode(full_request(degraded_from="d" * 41), fast._request_header) is None
+    with pytest.raises(EncodeError, match="LLMRequest.degraded_from"):
+        fast.encode_request(full_request(degraded_from="d" * 41))
 
 
 @pytest.fixture(scope="module")
 def old_codecs(tmp_path_factory) -> tuple[Codec, Codec]:
     """Fast and fastavro codecs whose current request schema is still revision 1."""
-    root = write_schema_dir(
-        tmp_path_factory.mktemp("old") / "schemas",
-        history={
-            "llm_request": [history_schema("llm_request", 1), history_schema("llm_request", 2)],
-            "llm_response": [history_schema("llm_response", 1)],
-        },
-        current={"llm_request": history_schema("llm_request", 1), "llm_response": history_schema("llm_response", 1)},
-    )
+    root = pinned_schema_dir(tmp_path_factory.mktemp("old") / "schemas", llm_request=1, llm_response=1)
     store = SchemaStore.load(root, allow_older_current=True)
     return Codec(store), Codec(store, fast=False)
 
@@ -827,9 +886,34 @@ def test_revision_1_as_current_schema(old_codecs, req):
     assert data == slow.encode_request(req)
     back = fast.decode_request(data)
     assert back == slow.decode_request(data)
-    # revision 1 has neither notify_queued nor trace_id: the model's defaults fill in
+    # revision 1 has none of the later fields: the model's defaults fill in
     assert back.notify_queued is False and back.trace_id is None
+    assert (back.admitted_at, back.effective_priority, back.degraded_from) == (None, None, None)
     assert fast.decode_request(FAST.encode_request(req)) == slow.decode_request(FAST.encode_request(req))
+
+
+@pytest.fixture(scope="module")
+def rev2_codecs(tmp_path_factory) -> tuple[Codec, Codec]:
+    """Fast and fastavro codecs of a consumer deployed before request revision 3."""
+    root = pinned_schema_dir(tmp_path_factory.mktemp("rev2") / "schemas", llm_request=2, llm_response=1)
+    store = SchemaStore.load(root, allow_older_current=True)
+    return Codec(store), Codec(store, fast=False)
+
+
+@settings(max_examples=100, deadline=None)
+@given(requests)
+def test_revision_2_and_3_agree_both_ways(rev2_codecs, req):
+    fast, slow = rev2_codecs
+    assert fast.fast
+    # revision 3 writer, revision 2 reader: the gateway fields are dropped, the rest kept
+    data = FAST.encode_request(req)
+    back = fast.decode_request(data)
+    assert back == slow.decode_request(data)
+    assert back == dataclasses.replace(req, admitted_at=None, effective_priority=None, degraded_from=None)
+    # revision 2 writer, revision 3 reader: they come back as null
+    data = fast.encode_request(req)
+    assert data == slow.encode_request(req)
+    assert FAST.decode_request(data) == SLOW.decode_request(data) == back
 
 
 def _compile(schema: dict, binding=REQUEST_BINDING):
@@ -846,6 +930,41 @@ def _with_field(schema: dict, name: str, avro_type) -> dict:
     return schema
 
 
+_PRIORITY_ENUM = next(f["type"] for f in REQUEST_SCHEMA["fields"] if f["name"] == "priority")
+
+
+def _with_priority_type(avro_type) -> dict:
+    """``priority`` retyped; ``effective_priority`` then holds the Priority definition it refers to."""
+    schema = _with_field(REQUEST_SCHEMA, "priority", avro_type)
+    for f in schema["fields"]:
+        if f["name"] == "effective_priority":
+            f["type"] = ["null", copy.deepcopy(_PRIORITY_ENUM)]
+    return schema
+
+
+@pytest.mark.parametrize("avro_type", [
+    "string",  # a plain string where the model holds an enum
+    {"type": "enum", "name": "P", "symbols": ["CRITICAL", "URGENT"]},  # not a Priority
+])
+def test_unsupported_priority_types(avro_type):
+    schema = _with_priority_type(avro_type)
+    fastavro.parse_schema(copy.deepcopy(schema))  # a valid schema: only the generator refuses it
+    with pytest.raises(UnsupportedSchema, match=r"LLMRequest\.priority"):
+        _compile(schema)
+
+
+def test_the_priority_definition_may_move_to_effective_priority():
+    schema = _with_priority_type("io.llmq.v1.Priority")  # a reference to the moved definition
+    moved = next(f for f in schema["fields"] if f["name"] == "effective_priority")
+    schema["fields"].remove(moved)
+    schema["fields"].insert(0, moved)  # a definition must come before its references
+    fast = _compile(schema)
+    for req in (full_request(), minimal_request()):
+        data = fast.encode(req, b"")
+        assert data == avro_body(schema, req.to_record())
+        assert fast.decode(data, 0) == req
+
+
 @pytest.mark.parametrize(
     ("name", "avro_type"),
     [
@@ -858,8 +977,7 @@ def _with_field(schema: dict, name: str, avro_type) -> dict:
         ("trace_id", {"type": "fixed", "name": "F", "size": 4}),
         ("trace_id", {"type": "record", "name": "R", "fields": [{"name": "x", "type": "string"}]}),
         ("prompt", {"type": "enum", "name": "E", "symbols": ["A"]}),  # an enum where the model has none
-        ("priority", "string"),  # a plain string where the model holds an enum
-        ("priority", {"type": "enum", "name": "P", "symbols": ["CRITICAL", "URGENT"]}),  # not a Priority
+        ("effective_priority", ["null", "string"]),  # a string where the model holds an enum
     ],
 )
 def test_unsupported_schemas(name, avro_type):
@@ -893,7 +1011,8 @@ def test_unsupported_schema_falls_back_to_fastavro(tmp_path):
 
 def test_reordered_union_and_optional_fields(tmp_path):
     """A union with null second and fields in another order still match fastavro."""
-    schema = copy.deepcopy(REQUEST_SCHEMA)
+    # Reversed, effective_priority comes first, so it must hold the Priority definition.
+    schema = _with_priority_type("io.llmq.v1.Priority")
     for f in schema["fields"]:
         if f["name"] == "trace_id":
             f["type"] = ["string", "null"]
@@ -901,7 +1020,7 @@ def test_reordered_union_and_optional_fields(tmp_path):
     schema["fields"].reverse()
     fast = _compile(schema)
     parsed = fastavro.parse_schema(copy.deepcopy(schema))
-    for req in (full_request(), full_request(trace_id=None), minimal_request()):
+    for req in (full_request(), full_request(trace_id=None, effective_priority=None), minimal_request()):
         data = fast.encode(req, b"")
         assert data == avro_body(schema, req.to_record())
         assert fast.decode(data, 0) == req

@@ -8,6 +8,7 @@ import pytest
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 
 from pipeline.errors import DecodeError, EncodeError, SchemaNotFoundError, SerdeError
+from pipeline.models import Status
 from pipeline.serde import Codec, RegistryFormat, SchemaStore
 from pipeline.serde.registry import record_name_strategy, topic_record_name_strategy
 from tests.unit.serde import (
@@ -120,9 +121,9 @@ def test_revision_1_writer_through_registry(codec, registry):
     rev1 = history_schema("llm_request", 1)
     schema_id = registry.client.register_schema(f"{TOPIC}-value", Schema(json.dumps(rev1), "AVRO"))
     record = full_request().to_record()
-    del record["notify_queued"], record["trace_id"]
     data = b"\x00" + schema_id.to_bytes(4, "big") + avro_body(rev1, record)
-    assert codec.decode_request(data) == full_request(notify_queued=False, trace_id=None)
+    assert codec.decode_request(data) == full_request(
+        notify_queued=False, trace_id=None, admitted_at=None, effective_priority=None, degraded_from=None)
 
 
 def test_current_writer_to_revision_1_reader_through_registry(codec, registry, tmp_path):
@@ -133,8 +134,47 @@ def test_current_writer_to_revision_1_reader_through_registry(codec, registry, t
     )
     old = Codec(SchemaStore.load(root), registry=RegistryFormat(registry.client))
     data = codec.encode_request(full_request(), wire="confluent", topic=TOPIC)
-    # The old consumer has never heard of revision 2: the registry tells it.
-    assert old.decode_request(data) == full_request(notify_queued=False, trace_id=None)
+    # The old consumer has never heard of revisions 2 and 3: the registry tells it.
+    assert old.decode_request(data) == full_request(
+        notify_queued=False, trace_id=None, admitted_at=None, effective_priority=None, degraded_from=None)
+
+
+def _future_response_schema(symbol: str) -> dict:
+    """A later response revision (not published here) with one more Status symbol."""
+    schema = history_schema("llm_response", 2)
+    for f in schema["fields"]:
+        if f["name"] == "status":
+            f["type"]["symbols"].append(symbol)
+    return schema
+
+
+def test_a_status_unknown_to_the_reader_reads_as_its_default_queued(codec, registry):
+    """The enum default at work: a newer writer's symbol this reader lacks becomes QUEUED."""
+    future = _future_response_schema("PREEMPTED")
+    schema_id = registry.client.register_schema("llm.responses-value", Schema(json.dumps(future), "AVRO"))
+    header = b"\x00" + schema_id.to_bytes(4, "big")
+    record = full_response().to_record()
+    resp = codec.decode_response(header + avro_body(future, {**record, "status": "PREEMPTED"}))
+    assert resp.status is Status.QUEUED and not resp.status.is_terminal
+    assert resp.request_id == full_response().request_id and resp.eta_ms == 4_200
+    # Symbols both know are untouched.
+    assert codec.decode_response(header + avro_body(future, record)) == full_response()
+
+
+def test_revision_1_reader_cannot_read_queued_but_reads_the_rest(codec, registry, tmp_path):
+    """Revision 1 has neither QUEUED nor an enum default: only clients on revision 2 may ask for QUEUED."""
+    root = write_schema_dir(
+        tmp_path / "s",
+        history={"llm_request": [history_schema("llm_request", 1)], "llm_response": [history_schema("llm_response", 1)]},
+        current={"llm_request": history_schema("llm_request", 1), "llm_response": history_schema("llm_response", 1)},
+    )
+    old = Codec(SchemaStore.load(root), registry=RegistryFormat(registry.client))
+    data = codec.encode_response(full_response(), wire="confluent", topic=TOPIC)
+    assert old.decode_response(data) == full_response(queue_position=None, eta_ms=None)
+    queued = codec.encode_response(full_response(status=Status.QUEUED), wire="confluent", topic=TOPIC)
+    with pytest.raises(DecodeError) as info:
+        old.decode_response(queued)
+    assert _reason(info) == "invalid_field" and "QUEUED" in str(info.value)
 
 
 def test_unknown_schema_id(codec):

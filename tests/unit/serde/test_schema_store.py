@@ -17,6 +17,7 @@ from pipeline.serde.schema_store import (
     prepare_schema,
 )
 from tests.unit.serde import (
+    HISTORY_DIR,
     SCHEMAS_DIR,
     copy_schema_dir,
     history_schema,
@@ -39,9 +40,10 @@ def _record(name: str, fields: list[dict]) -> dict:
 
 def test_loads_all_published_revisions(store):
     assert store.names() == ["llm_request", "llm_response"]
-    assert [r.revision for r in store.revisions("llm_request")] == [1, 2]
-    assert [r.revision for r in store.revisions("llm_response")] == [1]
-    assert store.current_revision("llm_request").revision == 2
+    assert [r.revision for r in store.revisions("llm_request")] == [1, 2, 3]
+    assert [r.revision for r in store.revisions("llm_response")] == [1, 2]
+    assert store.current_revision("llm_request").revision == 3
+    assert store.current_revision("llm_response").revision == 2
     assert store.current_revision("llm_request").fullname == "io.llmq.v1.LLMRequest"
     assert store.current_revision("llm_response").fullname == "io.llmq.v1.LLMResponse"
 
@@ -136,19 +138,20 @@ def test_reformatting_current_is_fine(tmp_path):
     root = copy_schema_dir(tmp_path / "s")
     schema = load_json(root / "llm_request.avsc")
     (root / "llm_request.avsc").write_text(json.dumps(schema, separators=(",", ":")))
-    assert SchemaStore.load(root).current_revision("llm_request").revision == 2
+    assert SchemaStore.load(root).current_revision("llm_request").revision == 3
 
 
 def test_revisions_must_not_have_gaps(tmp_path):
     root = copy_schema_dir(tmp_path / "s")
-    (root / "history" / "llm_request.2.avsc").rename(root / "history" / "llm_request.3.avsc")
+    (root / "history" / "llm_request.2.avsc").rename(root / "history" / "llm_request.4.avsc")
     with pytest.raises(SchemaLoadError, match="without gaps"):
         SchemaStore.load(root)
 
 
 def test_current_needs_a_published_revision(tmp_path):
     root = copy_schema_dir(tmp_path / "s")
-    (root / "history" / "llm_response.1.avsc").unlink()
+    for old in (root / "history").glob("llm_response.*.avsc"):
+        old.unlink()
     with pytest.raises(SchemaLoadError, match="no published revision"):
         SchemaStore.load(root)
 
@@ -282,5 +285,16 @@ def test_store_refuses_to_load_an_unbounded_schema(tmp_path):
 
 def test_minimum_sizes_of_the_real_schemas(store):
     # Lower bounds used by the guards: every field takes at least one byte.
-    assert check_schema_bounded(load_json(SCHEMAS_DIR / "llm_request.avsc")) == 14
-    assert check_schema_bounded(load_json(SCHEMAS_DIR / "llm_response.avsc")) == 18
+    assert check_schema_bounded(load_json(SCHEMAS_DIR / "llm_request.avsc")) == 17
+    assert check_schema_bounded(load_json(SCHEMAS_DIR / "llm_response.avsc")) == 20
+
+
+def test_every_published_revision_still_resolves(store):
+    """Bytes written with any revision ever published name a schema the store still has."""
+    for name, count in (("llm_request", 3), ("llm_response", 2)):
+        for revision in range(1, count + 1):
+            published = load_json(HISTORY_DIR / f"{name}.{revision}.avsc")
+            fp = schema_fingerprint(published).le_bytes
+            found = store.writer_for_fingerprint(fp)
+            assert found is not None and (found.name, found.revision) == (name, revision)
+    assert len({r.fingerprint.le_bytes for n in store.names() for r in store.revisions(n)}) == 5

@@ -36,15 +36,25 @@ REASON_PREFIXES = {Status.REJECTED: ("invalid_request: ", "duplicate_request_id:
 
 _STORE = SchemaStore.load()
 _REV = {r.revision: r for r in _STORE.revisions("llm_request")}
-HEADERS = {2: b"\xc3\x01" + _STORE.current_revision("llm_request").fingerprint.le_bytes,
+HEADERS = {3: b"\xc3\x01" + _STORE.current_revision("llm_request").fingerprint.le_bytes,
+           2: b"\xc3\x01" + _REV[2].fingerprint.le_bytes,
            1: b"\xc3\x01" + _REV[1].fingerprint.le_bytes}
-FIELDS = {2: ("request_id", "tenant_id", "priority", "prompt", "model", "max_tokens", "created_at", "timeout_ms",
-              "user_tier", "task_tier", "allow_degrade", "notify_queued", "trace_id", "metadata")}
+FIELDS = {3: ("request_id", "tenant_id", "priority", "prompt", "model", "max_tokens", "created_at", "timeout_ms",
+              "user_tier", "task_tier", "allow_degrade", "notify_queued", "trace_id", "metadata",
+              "admitted_at", "effective_priority", "degraded_from")}
+FIELDS[2] = FIELDS[3][:-3]
 FIELDS[1] = tuple(f for f in FIELDS[2] if f not in ("notify_queued", "trace_id"))
 KINDS = {"request_id": "string", "tenant_id": "string", "priority": "enum", "prompt": "string", "model": "string",
          "max_tokens": "long", "created_at": "long", "timeout_ms": "long", "user_tier": "string",
          "task_tier": "enum", "allow_degrade": "boolean", "notify_queued": "boolean", "trace_id": "union",
-         "metadata": "map"}
+         "metadata": "map", "admitted_at": "optional_long", "effective_priority": "optional_enum",
+         "degraded_from": "union"}
+
+
+def test_field_lists_match_the_published_revisions():
+    for revision, fields in FIELDS.items():
+        assert tuple(f["name"] for f in _REV[revision].parsed["fields"]) == fields
+    assert _REV[3] is _STORE.current_revision("llm_request")
 
 
 # -- a raw Avro writer that writes whatever it is given -------------------------------------------
@@ -74,6 +84,8 @@ def _field(kind: str, value) -> bytes:
         return bytes((value,))
     if kind == "union":
         return b"\x00" if value is None else b"\x02" + _string(value)
+    if kind in ("optional_long", "optional_enum"):
+        return b"\x00" if value is None else b"\x02" + zz(value)
     if not value:
         return b"\x00"
     return zz(len(value)) + b"".join(_string(k) + _string(v) for k, v in value) + b"\x00"
@@ -159,8 +171,12 @@ class Harness:
         resp = worker.codec.decode_response(out.value())
         assert resp.request_id == request.request_id and resp.tenant_id == request.tenant_id
         assert resp.requested_priority is request.priority
+        # Every outcome carries the gateway's decisions, whichever the status.
+        assert resp.served_priority is (request.effective_priority or request.priority)
+        assert resp.admitted_at == request.admitted_at
+        assert resp.degraded is (request.degraded_from is not None)
         if resp.status is Status.COMPLETED:
-            assert resp.reason is None and resp.served_priority is request.priority
+            assert resp.reason is None
         else:
             assert resp.status in REASON_PREFIXES, resp.status
             assert resp.reason.startswith(REASON_PREFIXES[resp.status]), resp.reason
@@ -200,7 +216,7 @@ request_ids = st.one_of(st.uuids().map(str), st.uuids().map(lambda u: str(u).upp
 
 @st.composite
 def hostile_requests(draw) -> bytes:
-    revision = draw(st.sampled_from([1, 2]))
+    revision = draw(st.sampled_from([1, 2, 3]))
     valid = draw(st.booleans())  # half of them start from valid values, with few changes
 
     def pick(strategy, ordinary):
@@ -221,6 +237,9 @@ def hostile_requests(draw) -> bytes:
         "notify_queued": pick(st.integers(0, 3), 0),
         "trace_id": pick(st.none() | hostile_string, None),
         "metadata": pick(st.lists(st.tuples(hostile_string, hostile_string), max_size=12), []),
+        "admitted_at": pick(st.none() | int64, None),
+        "effective_priority": pick(st.none() | st.integers(-3, 8), None),
+        "degraded_from": pick(st.none() | hostile_string, None),
     }
     return raw_message(revision, values)
 
@@ -241,6 +260,9 @@ valid_requests = st.builds(
     notify_queued=st.booleans(),
     trace_id=st.none() | st.text(max_size=20),
     metadata=st.dictionaries(st.text(max_size=10), st.text(max_size=10), max_size=LIMITS["max_metadata_entries"]),
+    admitted_at=st.none() | st.integers(NOW - 10**6, NOW + 10**6),
+    effective_priority=st.none() | st.sampled_from(Priority),
+    degraded_from=st.none() | st.text(min_size=1, max_size=20),
 )
 
 
@@ -298,7 +320,8 @@ mutations = st.lists(st.tuples(st.sampled_from(["flip", "set", "truncate", "inse
               st.binary(max_size=600)),
 ))
 @example(b"")
-@example(HEADERS[2])
+@example(HEADERS[3])
+@example(HEADERS[3] + b"\x00" * 13 + zz(1 << 62))
 @example(HEADERS[2] + b"\x00" * 13 + zz(1 << 62))
 @example(HEADERS[1] + b"\x00" * 11 + zz(1 << 62))
 @example(b"\xff" * (LIMITS["max_record_bytes"] + 1))
