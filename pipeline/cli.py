@@ -105,7 +105,7 @@ def cmd_worker(args) -> int:
     settings = _settings(args)
     w = settings.worker
     for name in ("sim_latency_ms", "sim_ms_per_token", "max_inflight", "group_id", "worker_id", "metrics_port",
-                 "metrics_addr", "pool", "backend", "openai_base_url", "delivery"):
+                 "metrics_addr", "pool", "backend", "openai_base_url", "delivery", "source"):
         value = getattr(args, name)
         if value is not None:
             setattr(w, name, value)
@@ -116,6 +116,22 @@ def cmd_worker(args) -> int:
     if serve(worker.metrics.registry, w.metrics_port, w.metrics_addr):
         log.info("metrics on http://%s:%d/metrics", w.metrics_addr, w.metrics_port)
     worker.run()
+    return 0
+
+
+def cmd_gateway(args) -> int:
+    from pipeline.gateway.app import Gateway
+
+    settings = _settings(args)
+    if args.web_port is not None:
+        settings.gateway.web_port = args.web_port
+    if args.app_id:
+        settings.gateway.app_id = args.app_id
+    settings.validate()
+    gateway = Gateway(settings)
+    log.info("gateway %s admitting from %s.requests.* to %s.dispatch.* (web port %s)", settings.gateway.app_id,
+             settings.topics.prefix, settings.topics.prefix, settings.gateway.web_port or "off")
+    gateway.run(args.log_level)
     return 0
 
 
@@ -237,7 +253,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topics", help="comma-separated topics to consume (default: the five request topics)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT (default 9101; 0 = off)")
     p.add_argument("--metrics-addr", help="address to bind metrics to (default 127.0.0.1)")
+    p.add_argument("--source", choices=["requests", "dispatch"],
+                   help="dispatch: what the gateway admitted (llm.dispatch.<band>); requests (default): the "
+                        "request topics directly, without a gateway")
     p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("gateway", help="admit requests: priorities, rate limits, quotas, bounded queues",
+                       description="The admission gateway (a Faust app): reads the five request topics and writes "
+                                   "admitted requests to <prefix>.dispatch.<band>, rejections/expirations/"
+                                   "cancellations to the response topic. Limits, quotas, tiers, queue caps and the "
+                                   "downgrade map come from the [gateway] section of the config file "
+                                   "(deploy/llmq.toml documents every key). Workers behind it run with "
+                                   "--source dispatch. GET /v1/queue on the web port shows per-band depth, drain "
+                                   "rate and ETA; /metrics serves Prometheus metrics. SIGTERM finishes the current "
+                                   "batch, commits and leaves the group.")
+    p.add_argument("--web-port", type=int, help="port for /v1/queue and /metrics (default 6066; 0 = off)")
+    p.add_argument("--app-id", help="Faust app id: consumer group and changelog topic prefix (default llmq-gateway)")
+    p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("submit", help="submit one request and print its response")
     p.add_argument("prompt")

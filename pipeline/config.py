@@ -306,8 +306,8 @@ class GatewaySettings:
     simple_max_tokens: int = 512
     #: Drain rate assumed before any completion was seen (requests/s; 0 = unknown).
     default_drain_rate: float = 0.0
-    #: Request ids remembered to answer a re-submitted id once.
-    dedupe_window: int = 100_000
+    #: How long a request id is remembered, so a re-submitted id is answered once.
+    dedupe_horizon_ms: int = 120_000
     #: aiokafka: the longest a fetch waits for data (its default, 500 ms, dominates latency).
     fetch_max_wait_ms: int = 5
     producer_linger_ms: int = 1
@@ -387,7 +387,7 @@ class GatewaySettings:
         for key in ("high_load", "degrade_load"):
             if not 0 < getattr(self, key) <= 10:
                 raise ConfigError(f"gateway.{key}", "must be a fraction of capacity, > 0 (0.8 = 80%)")
-        for key in ("urgent_ms", "simple_prompt_tokens", "simple_max_tokens", "default_drain_rate", "dedupe_window",
+        for key in ("urgent_ms", "simple_prompt_tokens", "simple_max_tokens", "default_drain_rate", "dedupe_horizon_ms",
                     "fetch_max_wait_ms", "producer_linger_ms"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"gateway.{key}", f"must be >= 0, got {getattr(self, key)!r}")

@@ -223,6 +223,35 @@ class WorkerMetrics:
         self.tenant_wait.labels(self.tenants.label(tenant)).observe(seconds)
 
 
+class GatewayMetrics:
+    """What the gateway exports (same ``llmq_requests_total``/``llmq_rejections_total`` names as
+    the workers, so one dashboard shows both; the gateway's outcomes are admitted, rejected,
+    expired, cancelled, duplicate, dead_lettered)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.requests = Counter("llmq_requests", "Requests by priority and outcome.", ["priority", "outcome"])
+        self.rejections = Counter("llmq_rejections", "Rejected requests by priority and reason.",
+                                  ["priority", "reason"])
+        self.dead_letters = Counter("llmq_dead_letters", "Messages sent to the dead-letter topic, by reason.",
+                                    ["reason"])
+        self.degraded = Counter("llmq_gateway_degraded", "Requests given the smaller model under load.",
+                                ["priority"])
+        self.reprioritised = Counter("llmq_gateway_reprioritised",
+                                     "Admitted requests served in another band than requested.",
+                                     ["requested", "effective"])
+        self.finished = Counter("llmq_gateway_finished", "Terminal responses seen for dispatched requests.",
+                                ["priority", "status"])
+        self.depth = Gauge("llmq_gateway_queue_depth", "Admitted requests not yet finished, per band.", ["priority"])
+        self.drain = Gauge("llmq_gateway_drain_rate", "Completions per second (10 s window).")
+        self.load = Gauge("llmq_gateway_load", "Arrival rate over the best drain rate seen (1 = saturated).")
+        self.registry.register(_Collector([self.requests, self.rejections, self.dead_letters, self.degraded,
+                                           self.reprioritised, self.finished, self.depth, self.drain, self.load]))
+
+    def outcome(self, priority: str, outcome: str) -> None:
+        self.requests.labels(priority, outcome).value += 1
+
+
 def serve(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1"):
     """Serve ``registry`` on http://addr:port/metrics in a daemon thread; port 0 = don't."""
     if not port:

@@ -75,7 +75,7 @@ class Worker:
         self.settings = settings
         self.cfg = settings.worker
         self.backend = backend
-        self.topics = topics or settings.topics.pool_topics(self.cfg.pool)
+        self.topics = topics or settings.topics.pool_topics(self.cfg.pool, self.cfg.source)
         self.group_id = self.cfg.effective_group_id()
         self.codec = codec or codec_for(settings.serde)
         self._wire = settings.serde.wire_format

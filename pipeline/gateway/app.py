@@ -1,0 +1,438 @@
+"""`llmq gateway`: a Faust app that admits requests from the five request topics.
+
+For every request: decode (undecodable → dead-letter topic), drop a re-submitted id, then the
+pure admission decision (:mod:`pipeline.policy.admission`); admitted requests go to
+``<prefix>.dispatch.<band>`` carrying their admission time, effective priority and (if
+degraded) the model asked for; rejections, expirations and cancellations go straight to the
+response topic with their reason and ``retry_after_ms``.
+
+State lives in Faust tables backed by changelog topics, so it survives a restart:
+
+* ``rate-<limit>``: one tumbling windowed table per configured rate limit, [requests, tokens]
+  per tenant (or tenant × model) and window, windows taken from the gateway's clock;
+* ``admitted`` / ``finished``: per tenant and band, requests dispatched and requests whose
+  terminal response came back (read from the response topic by a second agent); the
+  difference is what the fairness quotas and queue depths are computed from;
+* ``seen``: request ids admitted recently with the message they came in, so a re-submitted id
+  is answered once while a redelivered message (after a crash) is processed again.
+
+Delivery: events are taken in batches; a batch's outputs are awaited until the broker has
+acknowledged them, and only then are the batch's offsets acknowledged to Faust (one agent,
+concurrency 1: faust#606 makes concurrent agents commit past in-flight events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from collections.abc import MutableMapping
+
+import faust
+from faust.streams import _current_event
+from mode.utils.times import want_seconds
+
+from pipeline.cancellations import CancellationView
+from pipeline.config import Settings
+from pipeline.dlq import dead_letter_headers
+from pipeline.errors import DecodeError, EncodeError, LlmqError
+from pipeline.gateway import faust_fixes
+from pipeline.models import Priority, Request, Response, Status
+from pipeline.observability.metrics import GatewayMetrics, reason_code
+from pipeline.policy.admission import Action, Admission, DegradePolicy
+from pipeline.policy.fairness import FairnessQuotas
+from pipeline.policy.queues import QueueModel
+from pipeline.policy.ratelimit import RateLimiter
+from pipeline.serde.factory import codec_for
+from pipeline.topics import TopicSpec, ensure_topics
+
+log = logging.getLogger(__name__)
+
+_SEP = "\x1f"
+_BAND_BY_NAME = {p.value: p for p in Priority}
+
+
+class _WindowedCounts(MutableMapping):
+    """The rate limiter's counters, kept in one Faust windowed table per limit.
+
+    The limiter's keys are ``limit<US>who<US>window_start``; the window comes from the table's
+    clock (``relative_to``, set by the gateway before each decision), which is the same
+    epoch-aligned tumbling window the limiter computed.
+    """
+
+    def __init__(self, tables: dict):
+        self.tables = tables
+
+    @staticmethod
+    def _split(key: str) -> tuple[str, str]:
+        name, rest = key.split(_SEP, 1)
+        who = rest.rsplit(_SEP, 1)[0]
+        return name, who
+
+    def __getitem__(self, key):
+        name, who = self._split(key)
+        value = self.tables[name][who].value()
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def get(self, key, default=None):
+        name, who = self._split(key)
+        value = self.tables[name][who].value()
+        return default if value is None else value
+
+    def __setitem__(self, key, value):
+        name, who = self._split(key)
+        self.tables[name][who] = value
+
+    def __delitem__(self, key):  # windows expire by themselves
+        raise NotImplementedError
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self):
+        return 0
+
+
+class _Outstanding(MutableMapping):
+    """Outstanding = admitted − finished, per ``tenant<US>band``; writes go to ``admitted``
+    (the gateway admits from request events), completions to ``finished`` (response events):
+    each table is written from one source, so their changelogs follow their own topic."""
+
+    def __init__(self, admitted, finished):
+        self.admitted, self.finished = admitted, finished
+
+    def __getitem__(self, key):
+        return max(0, (self.admitted.get(key) or 0) - (self.finished.get(key) or 0))
+
+    def get(self, key, default=0):
+        return self[key]
+
+    def __setitem__(self, key, value):
+        current = self[key]
+        if value > current:
+            self.admitted[key] = (self.admitted.get(key) or 0) + (value - current)
+
+    def __delitem__(self, key):
+        pass  # a completion: counted in `finished` by the completions agent
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self):
+        return 0
+
+
+class Gateway:
+    def __init__(self, settings: Settings, *, app_id: str | None = None, web_port: int | None = None,
+                 metrics: GatewayMetrics | None = None, datadir: str | None = None):
+        faust_fixes.apply()
+        self.settings = settings
+        g = self.cfg = settings.gateway
+        t = settings.topics
+        faust_fixes.FETCH_MAX_WAIT_MS = g.fetch_max_wait_ms
+        self.codec = codec_for(settings.serde)
+        self._wire = settings.serde.wire_format
+        self.metrics = metrics or GatewayMetrics()
+        port = g.web_port if web_port is None else web_port
+        app_id = app_id or g.app_id
+        broker = ";".join(f"kafka+llmq://{hp.strip()}" for hp in settings.kafka.bootstrap.split(","))
+        credentials = _credentials(settings)
+        self.app = faust.App(
+            app_id, broker=broker, store=g.store, autodiscover=False,
+            processing_guarantee="exactly_once" if g.processing_guarantee == "exactly-once" else "at_least_once",
+            topic_partitions=t.request_partitions, topic_replication_factor=t.replication_factor,
+            table_standby_replicas=0, producer_linger=g.producer_linger_ms / 1000.0, producer_acks=-1,
+            consumer_auto_offset_reset="earliest", broker_commit_interval=0.5,
+            web_enabled=bool(port), web_port=port or 6066, web_bind=g.web_host,
+            datadir=datadir or f".llmq/gateway-{app_id}", broker_credentials=credentials)
+        self._clock_s = time.time()
+
+        # -- topics --
+        raw = dict(key_type=bytes, value_type=bytes, value_serializer="raw")
+        self.requests = self.app.topic(*t.request_topics, **raw)
+        self.responses_in = self.app.topic(t.responses, **raw)
+        self.responses_out = self.app.topic(t.responses, **raw)
+        self.dlq = self.app.topic(t.dlq, **raw)
+        self.dispatch = {p: self.app.topic(t.dispatch_topic(p), **raw) for p in Priority}
+
+        # -- tables (changelog-backed) --
+        default_limits, tenant_limits = g.window_limits()
+        windows = {}
+        for lim in [*default_limits, *(x for lims in tenant_limits.values() for x in lims)]:
+            if windows.setdefault(lim.name, lim.window_ms) != lim.window_ms:
+                raise ValueError(f"rate limit {lim.name!r} has different windows for different tenants")
+            if lim.window_ms % 1000:
+                raise ValueError(f"rate limit {lim.name!r}: the gateway's windows are whole seconds")
+        self.rate_tables = {
+            name: self.app.Table(f"rate-{name}", default=lambda: None, partitions=t.request_partitions)
+            .tumbling(ms / 1000.0, expires=2 * ms / 1000.0).relative_to(lambda event=None: self._clock_s)
+            for name, ms in windows.items()}
+        self.admitted_t = self.app.Table("admitted", default=int, partitions=t.request_partitions)
+        self.finished_t = self.app.Table("finished", default=int, partitions=t.response_partitions)
+        horizon_s = max(2, g.dedupe_horizon_ms // 2000)
+        self.seen = self.app.Table("seen", default=lambda: None, partitions=t.request_partitions) \
+            .tumbling(float(horizon_s), expires=2.0 * horizon_s).relative_to(lambda event=None: self._clock_s)
+        self._seen_window_s = float(horizon_s)
+
+        caps = g.band_ints("queue_caps")
+        self.queues = QueueModel([caps.get(p.value, 0) for p in Priority], default_rate_per_s=g.default_drain_rate)
+        self.admission = Admission(
+            g.priority_policy(),
+            RateLimiter(default_limits, tenant_limits, counts=_WindowedCounts(self.rate_tables)),
+            FairnessQuotas(g.band_ints("tenant_outstanding"), floor=Priority(g.demote_floor),
+                           tenant_caps=dict(g.tenant_outstanding_overrides),
+                           counts=_Outstanding(self.admitted_t, self.finished_t)),
+            self.queues,
+            DegradePolicy(load=g.degrade_load, downgrade=dict(g.downgrade), simple_prompt_tokens=g.simple_prompt_tokens,
+                          simple_max_tokens=g.simple_max_tokens),
+            max_timeout_ms=g.max_timeout_ms)
+        self.cancellations: CancellationView | None = None
+        self._depth_loaded = False
+        self.batch_size = 500
+
+        self.app.agent(self.requests, name="admit", concurrency=1)(self._admit_agent)
+        self.app.agent(self.responses_in, name="completions", concurrency=1)(self._completions_agent)
+        self.app.timer(0.2, on_leader=False)(self._poll_cancellations)
+        gateway = self
+
+        # Plain functions: Faust makes them methods of a View, so they get (view, request).
+        async def queue_view(view, request):
+            return view.json(gateway.queue_snapshot())
+
+        async def metrics_view(view, request):
+            from prometheus_client import generate_latest
+
+            return view.bytes(generate_latest(gateway.metrics.registry), content_type="text/plain")
+
+        self.app.page("/v1/queue")(queue_view)
+        self.app.page("/metrics")(metrics_view)
+
+    # -- agents ---------------------------------------------------------------------------
+
+    async def _admit_agent(self, stream):
+        async for events in stream.take_events(self.batch_size, within=0.005):
+            sent = []
+            for event in events:
+                _as_current(event)
+                sent.extend(await self._admit_one(event))
+            # The batch's offsets are acknowledged when this body returns: only after every
+            # output of the batch was acknowledged by the broker.
+            if sent:
+                await asyncio.gather(*sent)
+            yield len(events)
+
+    async def _completions_agent(self, stream):
+        async for events in stream.take_events(self.batch_size, within=0.01):
+            now = _now_ms()
+            for event in events:
+                _as_current(event)
+                self._complete_one(event, now)
+            yield len(events)
+
+    # -- one request ----------------------------------------------------------------------
+
+    async def _admit_one(self, event) -> list:
+        msg = event.message
+        now = _now_ms()
+        self._clock_s = now / 1000.0
+        if not self._depth_loaded:
+            self._load_depths()
+        m = self.metrics
+        try:
+            req = self.codec.decode_request(event.value)
+        except DecodeError as exc:
+            m.outcome("UNKNOWN", "dead_lettered")
+            m.dead_letters.labels(exc.reason).inc()
+            headers = dead_letter_headers(msg.topic, msg.partition, msg.offset, exc.reason, str(exc), "gateway",
+                                          list(msg.headers or ()))
+            log.warning("dead-lettering %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, exc)
+            return [await self.dlq.send(key=event.key, value=event.value, headers=headers)]
+
+        source = f"{msg.topic}:{msg.partition}:{msg.offset}"
+        seen = self._seen_source(req.request_id)
+        if seen is not None and seen != source:
+            # The same id submitted again: it was (or is being) answered once already.
+            m.outcome(req.priority.value, "duplicate")
+            return []
+
+        cancelled = self.cancellations is not None and self.cancellations.reason(req.request_id) is not None
+        decision = self.admission.decide(req, now, cancelled=cancelled)
+        band = decision.band or req.priority
+        if decision.action is Action.DISPATCH:
+            self.seen[req.request_id] = source
+            self.admitted_t[f"{band.value}{_SEP}p{msg.partition}"] += 1
+            req.admitted_at = now
+            req.effective_priority = band
+            if decision.degraded_from is not None:
+                req.model, req.degraded_from = decision.model, decision.degraded_from
+                m.degraded.labels(req.priority.value).inc()
+            if band is not req.priority:
+                m.reprioritised.labels(req.priority.value, band.value).inc()
+            m.outcome(req.priority.value, "admitted")
+            out = [await self.dispatch[band].send(key=req.tenant_id.encode(), value=self._encode_request(req))]
+            if req.notify_queued:
+                queued = Response.for_request(req, Status.QUEUED, reason=None, admitted_at=now, served_priority=band,
+                                              queue_position=decision.position,
+                                              eta_ms=None if decision.eta_ms is None or decision.eta_ms == float("inf")
+                                              else int(decision.eta_ms),
+                                              model=req.model, degraded=req.degraded_from is not None)
+                out.append(await self._respond(queued))
+            return out
+
+        status = {Action.REJECT: Status.REJECTED, Action.EXPIRE: Status.EXPIRED,
+                  Action.CANCEL: Status.CANCELLED}[decision.action]
+        outcome = {Status.REJECTED: "rejected", Status.EXPIRED: "expired", Status.CANCELLED: "cancelled"}[status]
+        m.outcome(req.priority.value, outcome)
+        if status is Status.REJECTED:
+            m.rejections.labels(req.priority.value, reason_code(decision.reason)).inc()
+        # Answered once, even if the client submits the same id again later.
+        self.seen[req.request_id] = source
+        response = Response.for_request(req, status, reason=decision.reason, retry_after_ms=decision.retry_after_ms,
+                                        served_priority=decision.band)
+        return [await self._respond(response)]
+
+    def _seen_source(self, request_id: str) -> str | None:
+        """Where this id was first seen, if in this window or the one before."""
+        table = self.seen.table
+        found = table._windowed_timestamp(request_id, self._clock_s)
+        if found is None:
+            found = table._windowed_timestamp(request_id, self._clock_s - self._seen_window_s)
+        return found
+
+    async def _respond(self, response: Response):
+        try:
+            value = self.codec.encode_response(response, self._wire, self.responses_out.get_topic_name())
+        except EncodeError as exc:
+            # A rejection echoes nothing big, but a reason could still be long: keep it short.
+            response.reason = f"{(response.reason or '')[:200]} ({exc})"[:500]
+            value = self.codec.encode_response(response, self._wire, self.responses_out.get_topic_name())
+        return await self.responses_out.send(key=response.tenant_id.encode(), value=value)
+
+    def _encode_request(self, req: Request) -> bytes:
+        return self.codec.encode_request(req, self._wire, self.dispatch[req.effective_priority].get_topic_name())
+
+    # -- completions ----------------------------------------------------------------------
+
+    def _complete_one(self, event, now: int) -> None:
+        try:
+            resp = self.codec.decode_response(event.value)
+        except DecodeError:
+            return  # the response topic's consumers dead-letter nothing: not ours to judge
+        if not resp.status.is_terminal or resp.admitted_at is None or resp.served_priority is None:
+            return  # progress events, and answers to requests the gateway never dispatched
+        band = resp.served_priority
+        self.finished_t[f"{resp.tenant_id}{_SEP}{band.value}"] += 1
+        self.finished_t[f"{band.value}{_SEP}p{event.message.partition}"] += 1
+        self.queues.finished(band.rank, now)
+        self.metrics.finished.labels(band.value, resp.status.value.lower()).inc()
+
+    def _load_depths(self) -> None:
+        """Band depths from the tables (after recovery): admitted minus finished, per band."""
+        self._depth_loaded = True
+        admitted = [0] * len(Priority)
+        finished = [0] * len(Priority)
+        for table, into in ((self.admitted_t, admitted), (self.finished_t, finished)):
+            for key, value in list(table.items()):
+                band, _, rest = str(key).partition(_SEP)
+                if band in _BAND_BY_NAME and rest.startswith("p"):
+                    into[_BAND_BY_NAME[band].rank] += int(value or 0)
+        self.queues.depth = [max(0, a - f) for a, f in zip(admitted, finished)]
+        if any(self.queues.depth):
+            log.info("queue depths after recovery: %s",
+                     ", ".join(f"{p.value} {self.queues.depth[p.rank]}" for p in Priority))
+
+    # -- timers and views -----------------------------------------------------------------
+
+    async def _poll_cancellations(self) -> None:
+        if self.cancellations is None:
+            self.cancellations = CancellationView(self.settings)
+        self.cancellations.poll()
+        now = _now_ms()
+        snap = self.queues.snapshot(now)
+        m = self.metrics
+        for p in Priority:
+            m.depth.labels(p.value).set(snap["bands"][p.value]["depth"])
+        m.drain.labels().set(snap["drain_rate_per_s"])
+        m.load.labels().set(snap["load"])
+
+    def queue_snapshot(self) -> dict:
+        """What GET /v1/queue answers: per band depth, cap and ETA, the drain rate and the load."""
+        now = _now_ms()
+        return {"at_ms": now, **self.queues.snapshot(now)}
+
+    # -- running --------------------------------------------------------------------------
+
+    def internal_topics(self) -> list[TopicSpec]:
+        """The changelog topics of the gateway's tables and Faust's assignor topic."""
+        rf = self.settings.topics.replication_factor
+        specs = [TopicSpec(f"{self.app.conf.id}-__assignor-__leader", 1, rf, {}, "gateway assignor")]
+        for table in self.app.tables.values():
+            # As Faust would create them: compacted; windowed tables also deleted after expiry.
+            config = {"cleanup.policy": "compact"}
+            if table.window is not None:
+                config = {"cleanup.policy": "compact,delete",
+                          "retention.ms": str(int(want_seconds(table.window.expires) * 1000))}
+            specs.append(TopicSpec(table.changelog_topic.get_topic_name(), table.partitions, rf, config,
+                                   "gateway state"))
+        return specs
+
+    def ensure_internal_topics(self, timeout: float = 30.0) -> None:
+        """Create the internal topics before Faust starts, and wait until the broker lists them.
+
+        Faust creates them itself too, but subscribes right after: a topic the metadata does
+        not show yet is left out of the assignment, and the first table write then fails
+        with PartitionsMismatch ("has 0 partitions").
+        """
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient(self.settings.kafka.admin_config())
+        specs = self.internal_topics()
+        report = ensure_topics(admin, specs, timeout)
+        if report.mismatched:
+            raise LlmqError("gateway state topics have other partition counts than their sources: "
+                            + ", ".join(f"{t} ({have}, expected {want})" for t, want, have in report.mismatched))
+        deadline = time.monotonic() + timeout
+        names = {s.name for s in specs}
+        while True:
+            listed = admin.list_topics(timeout=timeout).topics
+            if all(n in listed and listed[n].error is None and listed[n].partitions for n in names):
+                return
+            if time.monotonic() > deadline:
+                raise LlmqError(f"gateway state topics not visible after {timeout:.0f} s: "
+                                + ", ".join(sorted(n for n in names if n not in listed)))
+            time.sleep(0.2)
+
+    def run(self, loglevel: str = "INFO") -> None:
+        """Run until SIGTERM/SIGINT (then: finish the batch, commit, leave the group). Exits the process."""
+        self.ensure_internal_topics()
+        worker = faust.Worker(self.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+        worker.execute_from_commandline()
+
+
+def _as_current(event) -> None:
+    """Make ``event`` the one Faust's tables see as current (they write its partition's changelog).
+
+    Only the context variable the tables read: the stream's own ``current_event`` attribute
+    is what ``take_events`` pairs the *next* incoming value with, and overwriting it there
+    attaches a later message to an earlier event (one processed twice, one never).
+    """
+    _current_event.set(weakref.ref(event))
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _credentials(settings: Settings):
+    k = settings.kafka
+    if k.security_protocol == "PLAINTEXT":
+        return None
+    conf = k.aiokafka_config()
+    ssl_context = conf.get("ssl_context")
+    if k.security_protocol.startswith("SASL_"):
+        return faust.SASLCredentials(username=k.sasl_username, password=k.password(), ssl_context=ssl_context,
+                                     mechanism=k.sasl_mechanism)
+    return faust.SSLCredentials(ssl_context)
