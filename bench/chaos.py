@@ -272,8 +272,10 @@ def run_mode(mode: str, broker: LocalBroker, args, rng: random.Random, log_dir: 
                                    "stopped_s": pause})
                 last_fault = time.monotonic()
             if time.monotonic() - counter.last_progress > args.stall_s:
-                # Nothing new for a while: is the reader stuck, or is nothing readable (an open
-                # transaction holding the last stable offset)? A fresh reader tells them apart.
+                # Nothing new for a while: is the reader stuck (an assign()ed librdkafka consumer
+                # can stop fetching after a broker restart, librdkafka#5153), or is nothing
+                # readable (an open transaction holding the last stable offset)? A fresh reader
+                # tells them apart, and carries on in its place.
                 fresh = ResponseCounter(settings)
                 fresh.start()
                 fresh.settle()
@@ -341,8 +343,8 @@ def main(argv=None) -> int:
     parser.add_argument("--slow-calls", type=int, default=3,
                         help="requests whose model call outlasts max.poll.interval.ms (default 3)")
     parser.add_argument("--fault-gap-s", type=float, default=8.0, help="least time between two faults (default 8)")
-    parser.add_argument("--stall-s", type=float, default=20.0,
-                        help="no new response this long: check with a fresh reader (default 20)")
+    parser.add_argument("--stall-s", type=float, default=8.0,
+                        help="no new response this long: check with a fresh reader (default 8)")
     parser.add_argument("--seed", type=int, help="fault schedule seed (default: random, printed)")
     parser.add_argument("--timeout", type=float, default=900.0, help="give up on a mode after this many seconds")
     args = parser.parse_args(argv)

@@ -28,6 +28,7 @@ import logging
 import time
 import weakref
 from collections.abc import MutableMapping
+from pathlib import Path
 
 import faust
 from faust.streams import _current_event
@@ -140,6 +141,9 @@ class Gateway:
         app_id = app_id or g.app_id
         broker = ";".join(f"kafka+llmq://{hp.strip()}" for hp in settings.kafka.bootstrap.split(","))
         credentials = _credentials(settings)
+        # Faust keeps its local state (rocksdb tables, if chosen) here and creates only the last level.
+        datadir = Path(datadir or Path(".llmq") / f"gateway-{app_id}")
+        datadir.parent.mkdir(parents=True, exist_ok=True)
         self.app = faust.App(
             app_id, broker=broker, store=g.store, autodiscover=False,
             processing_guarantee="exactly_once" if g.processing_guarantee == "exactly-once" else "at_least_once",
@@ -147,7 +151,7 @@ class Gateway:
             table_standby_replicas=0, producer_linger=g.producer_linger_ms / 1000.0, producer_acks=-1,
             consumer_auto_offset_reset="earliest", broker_commit_interval=0.5,
             web_enabled=bool(port), web_port=port or 6066, web_bind=g.web_host,
-            datadir=datadir or f".llmq/gateway-{app_id}", broker_credentials=credentials)
+            datadir=str(datadir), broker_credentials=credentials)
         self._clock_s = time.time()
 
         # -- topics --
