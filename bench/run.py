@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 
@@ -303,11 +304,28 @@ def _raw_out_topic(settings: Settings) -> str:
 SCENARIOS = {"worker_throughput": scenario_worker_throughput, "worker_exactly_once": scenario_worker_exactly_once,
              "worker_scaling": scenario_worker_scaling}
 
+def _gateway_scenarios() -> dict:
+    import gateway_bench as gb
+
+    return {
+        "gateway_throughput": lambda settings, args: gb.gateway_throughput(settings, args, raw_passthrough,
+                                                                           _fill_requests),
+        "rate_limit_accuracy": gb.rate_limit_accuracy,
+        "priority_isolation": gb.priority_isolation,
+        "tenant_fairness": gb.tenant_fairness,
+        "end_to_end_latency": gb.end_to_end_latency,
+        "gateway_memory": gb.gateway_memory,
+    }
+
+
+SCENARIOS.update(_gateway_scenarios())
+
 # Which figure is llmq's, which the baseline's, and what the ratio compares, for the table.
 TABLE = {
     "worker_throughput": ("pipeline_msgs_per_s", "raw_msgs_per_s", "worker vs raw passthrough"),
     "worker_exactly_once": ("pipeline_msgs_per_s", "raw_msgs_per_s", "exactly-once worker vs raw transactional"),
     "worker_scaling": ("two_workers_msgs_per_s", "one_worker_msgs_per_s", "two worker processes vs one"),
+    "gateway_throughput": ("gateway_msgs_per_s", "raw_msgs_per_s", "admitted/s vs raw passthrough"),
 }
 
 
@@ -362,8 +380,13 @@ def main(argv=None) -> int:
 
     print(f"\n{'scenario':<20} {'llmq':>14} {'baseline':>14} {'ratio':>7}   compared")
     for name, r in results.items():
-        llmq_key, base_key, what = TABLE[name]
-        print(f"{name:<20} {r[llmq_key]:>10,} /s {r[base_key]:>10,} /s {r['ratio']:>7.3f}   {what}")
+        if name in TABLE:
+            llmq_key, base_key, what = TABLE[name]
+            print(f"{name:<20} {r[llmq_key]:>10,} /s {r[base_key]:>10,} /s {r['ratio']:>7.3f}   {what}")
+    for name, r in results.items():
+        if name not in TABLE:
+            shown = {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            print(f"{name:<20} " + "  ".join(f"{k}={v}" for k, v in list(shown.items())[:6]))
     print(f"\n(medians of {args.rounds} alternating rounds; written to {RESULTS.relative_to(ROOT)})")
     return 0
 

@@ -1,0 +1,417 @@
+"""Gateway scenarios for `make bench` (see bench/run.py, which runs them and writes the results).
+
+Every scenario runs ``llmq gateway`` as a process, as deployed, with a scenario-specific
+[gateway] config; workers run in-process (threads) with the simulated model. Waits are read
+from the responses themselves (``started_at − created_at``: gateway admission plus the time in
+the dispatch topic), so they are what a client sees before its request starts.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+
+from pipeline.config import Settings
+from pipeline.models import Priority, Request
+from pipeline.serde import Codec
+from pipeline.topics import create_pipeline_topics
+from pipeline.worker.backends.simulated import SimulatedBackend
+from pipeline.worker.loop import Worker
+
+ROOT = Path(__file__).resolve().parents[1]
+GENEROUS = """
+[gateway]
+web_port = 0
+{extra}
+
+[gateway.limits.per_second]
+window_ms = 1000
+requests = {rps}
+
+[gateway.tenant_outstanding]
+CRITICAL = {outstanding}
+HIGH = {outstanding}
+NORMAL = {outstanding}
+LOW = 0
+BACKGROUND = 0
+"""
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def fresh(settings: Settings) -> Settings:
+    """Settings on new topics (a scenario's rounds never see each other's messages)."""
+    s = Settings.load(env={})
+    s.kafka.bootstrap = settings.kafka.bootstrap
+    s.topics.prefix = f"gwb{uuid.uuid4().hex[:6]}.llm"
+    s.topics.dispatch_partitions = 12
+    s.worker.source = "dispatch"
+    s.worker.group_id = f"{s.topics.prefix}.workers"
+    s.worker.metrics_port = 0
+    create_pipeline_topics(s)
+    return s
+
+
+class GatewayProcess:
+    def __init__(self, settings: Settings, config: str, tmp: Path):
+        self.tmp = tmp
+        cfg = tmp / f"gw-{uuid.uuid4().hex[:6]}.toml"
+        cfg.write_text(config)
+        self.log = tmp / f"{cfg.stem}.log"
+        env = {**os.environ, "LLMQ_CONFIG": str(cfg), "LLMQ_BOOTSTRAP": settings.kafka.bootstrap,
+               "LLMQ_TOPICS__PREFIX": settings.topics.prefix,
+               "LLMQ_TOPICS__DISPATCH_PARTITIONS": str(settings.topics.dispatch_partitions)}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "gateway",
+                                          "--app-id", f"{settings.topics.prefix}-gw"], env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp)
+        deadline = time.monotonic() + 90
+        while "Worker]: Ready" not in self.log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"gateway did not start: {self.log.read_text()[-2000:]}")
+            time.sleep(0.2)
+
+    def rss_mb(self) -> float:
+        import psutil
+
+        return psutil.Process(self.proc.pid).memory_info().rss / 2**20
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class ThreadWorkers:
+    def __init__(self, settings: Settings, count: int, latency_ms: float, inflight: int):
+        settings.worker.max_inflight = inflight
+        self.workers = [Worker(settings, SimulatedBackend(latency_ms), worker_id=f"bench-{i}") for i in range(count)]
+        self.threads = [threading.Thread(target=w.run, kwargs={"install_signals": False}, daemon=True)
+                        for w in self.workers]
+        for t in self.threads:
+            t.start()
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+        for t in self.threads:
+            t.join(60)
+
+
+def produce_paced(settings: Settings, schedule, *, codec: Codec | None = None) -> int:
+    """``schedule`` yields (at_s, Request); each is produced at its time (relative to now)."""
+    codec = codec or Codec.default()
+    producer = Producer(settings.kafka.producer_config(**{"linger.ms": 1}))
+    t0 = time.monotonic()
+    n = 0
+    for at, req in schedule:
+        delay = t0 + at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+            req.created_at = int(time.time() * 1000)
+        while True:
+            try:
+                producer.produce(settings.topics.request_topic(req.priority), codec.encode_request(req),
+                                 req.tenant_id.encode())
+                break
+            except BufferError:
+                producer.poll(0.01)
+        producer.poll(0)
+        n += 1
+    producer.flush(60)
+    return n
+
+
+def read_all(settings: Settings, topic: str, decode, *, expect: int, timeout: float = 300.0, stamp=False):
+    """Every message of ``topic`` (waiting until ``expect`` arrived), decoded; with ``stamp``,
+    (arrival wall-clock ms, decoded)."""
+    consumer = Consumer({"bootstrap.servers": settings.kafka.bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "fetch.wait.max.ms": 5})
+    parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
+    out = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < expect and time.monotonic() < deadline:
+            for m in consumer.consume(1000, 0.2):
+                if m.error() is None:
+                    value = decode(m.value())
+                    out.append((time.time_ns() // 1_000_000, value, m.timestamp()[1]) if stamp else value)
+        return out
+    finally:
+        consumer.close()
+
+
+def p99(xs) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * 0.99))] if xs else float("nan")
+
+
+# -- gateway_throughput -----------------------------------------------------------------------
+
+
+def gateway_throughput(settings: Settings, args, raw_passthrough, fill) -> dict:
+    n = min(args.messages, 30_000)
+    raw, gw = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(max(1, args.rounds // 2)):
+            s = fresh(settings)
+            fill(s, n, args.prompt_bytes)
+            raw.append(raw_passthrough(s, n, s.topics.dispatch_topic(Priority.NORMAL)))
+            s2 = fresh(settings)
+            fill(s2, n, args.prompt_bytes)
+            gw_proc = GatewayProcess(s2, GENEROUS.format(extra="", rps=10**9, outstanding=0), Path(tmp))
+            try:
+                stamps = [ts for _, _, ts in read_all(s2, s2.topics.dispatch_topic(Priority.NORMAL), len,
+                                                      expect=n, stamp=True)]
+                gw.append(n / max((max(stamps) - min(stamps)) / 1000, 1e-3))
+            finally:
+                gw_proc.stop()
+            _log(f"  round {r + 1}: raw {raw[-1]:,.0f} msg/s   gateway {gw[-1]:,.0f} admitted/s")
+    raw_m, gw_m = statistics.median(raw), statistics.median(gw)
+    return {"raw_msgs_per_s": round(raw_m), "gateway_msgs_per_s": round(gw_m), "ratio": round(gw_m / raw_m, 3),
+            "messages": n, "raw_runs": [round(x) for x in raw], "gateway_runs": [round(x) for x in gw],
+            "measured": "admitted rate from the dispatch topic's timestamps, first to last"}
+
+
+# -- rate_limit_accuracy ----------------------------------------------------------------------
+
+
+def rate_limit_accuracy(settings: Settings, args) -> dict:
+    limit, seconds = 100, 12
+    s = fresh(settings)
+    codec = Codec.default()
+    with tempfile.TemporaryDirectory() as tmp:
+        gw = GatewayProcess(s, GENEROUS.format(extra="", rps=limit, outstanding=0), Path(tmp))
+        try:
+            rate = 3 * limit
+            sched = ((i / rate, Request.new("metered", f"m{i}", timeout_ms=600_000)) for i in range(rate * seconds))
+            sent = produce_paced(s, sched)
+            admitted = read_all(s, s.topics.dispatch_topic(Priority.NORMAL), codec.decode_request,
+                                expect=limit * seconds, timeout=30)
+            # plus whatever arrived after the expected count (there should be none over the limit)
+            time.sleep(1)
+        finally:
+            gw.stop()
+    per_window = collections.Counter(r.admitted_at // 1000 for r in admitted)
+    windows = sorted(per_window)
+    full = [per_window[w] for w in windows[1:-1]]  # the first and last windows are partial
+    return {"max_admitted_over_limit": round(max(per_window.values()) / limit, 3),
+            "utilisation": round(statistics.mean(full) / limit, 3) if full else None,
+            "limit_per_s": limit, "demand_per_s": 3 * limit, "seconds": seconds, "sent": sent,
+            "admitted": len(admitted), "windows": len(per_window)}
+
+
+# -- priority_isolation -----------------------------------------------------------------------
+
+
+def _critical_waits(settings: Settings, flood_factor: float, capacity: float, seconds: float, *,
+                    fifo: bool, tmp: Path) -> list[float]:
+    s = fresh(settings)
+    if fifo:
+        s.worker.source = "requests"
+        s.worker.pool = "all"
+    gw = None if fifo else GatewayProcess(s, GENEROUS.format(extra="high_load = 10\ndegrade_load = 10",
+                                                             rps=10**9, outstanding=0), tmp)
+    workers = ThreadWorkers(s, 1, latency_ms=10, inflight=int(capacity * 0.010))
+    try:
+        time.sleep(3)  # joined
+        crit_rate = 20
+        events = [(i / crit_rate, "crit") for i in range(int(seconds * crit_rate))]
+        flood_rate = flood_factor * capacity
+        events += [(i / flood_rate, "flood") for i in range(int(seconds * flood_rate))] if flood_rate else []
+        events.sort()
+        ids = set()
+
+        def schedule():
+            for at, kind in events:
+                if kind == "crit":
+                    req = Request.new("vip", f"c{at}", priority=Priority.CRITICAL if not fifo else Priority.NORMAL,
+                                      timeout_ms=600_000, max_tokens=4)
+                    ids.add(req.request_id)
+                else:
+                    req = Request.new(f"bulk-{int(at * 1000) % 50}", f"b{at}",
+                                      priority=Priority.BACKGROUND if not fifo else Priority.NORMAL,
+                                      timeout_ms=600_000, max_tokens=4)
+                yield at, req
+
+        produce_paced(s, schedule())
+        codec = Codec.default()
+        waits = []
+        deadline = time.monotonic() + 120
+        while len(waits) < len(ids) and time.monotonic() < deadline:
+            got = read_all(s, s.topics.responses, codec.decode_response, expect=10**9, timeout=2)
+            waits = [r.started_at - r.created_at for r in got if r.request_id in ids and r.started_at]
+        return waits
+    finally:
+        workers.stop()
+        if gw:
+            gw.stop()
+
+
+def priority_isolation(settings: Settings, args) -> dict:
+    capacity, seconds = 400.0, 8
+    with tempfile.TemporaryDirectory() as tmp:
+        alone = p99(_critical_waits(settings, 0, capacity, seconds, fifo=False, tmp=Path(tmp)))
+        flood = p99(_critical_waits(settings, 3, capacity, seconds, fifo=False, tmp=Path(tmp)))
+        fifo_alone = p99(_critical_waits(settings, 0, capacity, seconds, fifo=True, tmp=Path(tmp)))
+        fifo_flood = p99(_critical_waits(settings, 3, capacity, seconds, fifo=True, tmp=Path(tmp)))
+    return {"critical_p99_alone_ms": alone, "critical_p99_flood_ms": flood,
+            "ratio": round(flood / max(alone, 1), 3),
+            "baseline_fifo_ratio": round(fifo_flood / max(fifo_alone, 1), 3),
+            "baseline_fifo_p99_alone_ms": fifo_alone, "baseline_fifo_p99_flood_ms": fifo_flood,
+            "worker_capacity_per_s": capacity, "flood_per_s": 3 * capacity, "seconds": seconds}
+
+
+# -- tenant_fairness --------------------------------------------------------------------------
+
+
+def _quiet_waits(settings: Settings, tmp: Path, *, flooder: bool) -> tuple[list[float], dict]:
+    s = fresh(settings)
+    # The quota is what keeps a flooder from filling the band: over it, its requests go one band down.
+    gw = GatewayProcess(s, GENEROUS.format(extra='demote_floor = "LOW"\nhigh_load = 10\ndegrade_load = 10',
+                                           rps=10**9, outstanding=2), tmp)
+    capacity = 200.0
+    workers = ThreadWorkers(s, 1, latency_ms=10, inflight=2)
+    try:
+        time.sleep(3)
+        seconds, quiet_rate = 8, 15
+        events = [(i / quiet_rate, "quiet") for i in range(seconds * quiet_rate)]
+        if flooder:
+            rate = 10 * quiet_rate * 2  # 10x the quiet tenant, twice over: together above capacity
+            events += [(i / rate, "flood") for i in range(int(seconds * rate))]
+        events.sort()
+        quiet_ids = set()
+
+        def schedule():
+            for at, kind in events:
+                req = Request.new("quiet" if kind == "quiet" else "flooder", f"{kind}{at}", timeout_ms=600_000,
+                                  max_tokens=4)
+                if kind == "quiet":
+                    quiet_ids.add(req.request_id)
+                yield at, req
+
+        produce_paced(s, schedule())
+        codec = Codec.default()
+        got = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            got = read_all(s, s.topics.responses, codec.decode_response, expect=10**9, timeout=2)
+            if sum(r.request_id in quiet_ids for r in got) >= len(quiet_ids):
+                break
+        waits = [r.started_at - r.created_at for r in got if r.request_id in quiet_ids and r.started_at]
+        return waits, {"capacity_per_s": capacity}
+    finally:
+        workers.stop()
+        gw.stop()
+
+
+def _jain(settings: Settings, tmp: Path) -> float:
+    """Four tenants, equally weighted, all backlogged in one band: their shares of the work done."""
+    s = fresh(settings)
+    gw = GatewayProcess(s, GENEROUS.format(extra="high_load = 10\ndegrade_load = 10", rps=10**9, outstanding=0), tmp)
+    workers = None
+    try:
+        tenants = [f"tenant-{c}" for c in "abcd"]
+        sched = ((0.0, Request.new(tenants[i % 4], f"j{i}", timeout_ms=600_000, max_tokens=4)) for i in range(4000))
+        produce_paced(s, sched)
+        time.sleep(3)  # all admitted and queued before any worker starts
+        workers = ThreadWorkers(s, 1, latency_ms=5, inflight=4)
+        codec = Codec.default()
+        deadline = time.monotonic() + 60
+        while workers.workers[0].stats.delivered == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(2)  # about 1,600 of the 4,000 done: everyone still backlogged
+        workers.stop()
+        got = read_all(s, s.topics.responses, codec.decode_response, expect=10**9, timeout=2)
+        done = collections.Counter(r.tenant_id for r in got)
+        xs = [done[t] for t in tenants]
+        return round(sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)), 4) if any(xs) else float("nan")
+    finally:
+        if workers:
+            workers.stop()
+        gw.stop()
+
+
+def tenant_fairness(settings: Settings, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        alone, info = _quiet_waits(settings, Path(tmp), flooder=False)
+        flood, _ = _quiet_waits(settings, Path(tmp), flooder=True)
+        jain = _jain(settings, Path(tmp))
+    a, f = p99(alone), p99(flood)
+    return {"quiet_p99_alone_ms": a, "quiet_p99_with_flooder_ms": f, "ratio": round(f / max(a, 1), 3),
+            "jain_index": jain, **info, "quiet_per_s": 15, "flooder_per_s": 300,
+            "mechanism": "per-tenant outstanding cap (2 in NORMAL) demotes the flooder's excess one band down"}
+
+
+# -- end_to_end_latency -----------------------------------------------------------------------
+
+
+def end_to_end_latency(settings: Settings, args) -> dict:
+    rate, seconds = 1000, 10
+    s = fresh(settings)
+    codec = Codec.default()
+    with tempfile.TemporaryDirectory() as tmp:
+        gw = GatewayProcess(s, GENEROUS.format(extra="high_load = 10\ndegrade_load = 10", rps=10**9, outstanding=0),
+                            Path(tmp))
+        workers = ThreadWorkers(s, 1, latency_ms=0, inflight=64)
+        try:
+            time.sleep(3)
+            got: list = []
+            reader = threading.Thread(target=lambda: got.extend(read_all(
+                s, s.topics.responses, codec.decode_response, expect=rate * seconds, timeout=seconds + 60,
+                stamp=True)), daemon=True)
+            reader.start()
+            sched = ((i / rate, Request.new(f"t{i % 100}", f"e{i}", timeout_ms=600_000, max_tokens=4))
+                     for i in range(rate * seconds))
+            produce_paced(s, sched)
+            reader.join(seconds + 90)
+        finally:
+            workers.stop()
+            gw.stop()
+    # Skip the first second: group joins and the first fetches are not the steady state.
+    start = min(r.created_at for _, r, _ in got) + 1000
+    lat = sorted(arrived - r.created_at for arrived, r, _ in got if r.created_at >= start)
+    return {"rate_per_s": rate, "p50_ms": lat[len(lat) // 2], "p99_ms": p99(lat), "responses": len(got),
+            "seconds": seconds,
+            "tuning": "aiokafka fetch_max_wait 5 ms (faust hard-codes 1500), gateway batches within 5 ms, "
+                      "producer linger 1 ms; worker fetch.wait.max.ms 50; reader fetch.wait.max.ms 5"}
+
+
+# -- gateway_memory ---------------------------------------------------------------------------
+
+
+def gateway_memory(settings: Settings, args) -> dict:
+    tenants = 100_000
+    s = fresh(settings)
+    codec = Codec.default()
+    with tempfile.TemporaryDirectory() as tmp:
+        gw = GatewayProcess(s, GENEROUS.format(extra="", rps=10**9, outstanding=0), Path(tmp))
+        try:
+            base = gw.rss_mb()
+            sched = ((0.0, Request.new(f"tenant-{i:06d}", "hi", timeout_ms=600_000, max_tokens=4))
+                     for i in range(tenants))
+            produce_paced(s, sched)
+            read_all(s, s.topics.dispatch_topic(Priority.NORMAL), len, expect=tenants, timeout=600)
+            time.sleep(2)
+            rss = gw.rss_mb()
+        finally:
+            gw.stop()
+    return {"tenants": tenants, "rss_mb": round(rss, 1), "rss_mb_at_start": round(base, 1),
+            "state": "per tenant: a window in each rate limit, outstanding counts, the seen id"}
