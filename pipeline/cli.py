@@ -173,7 +173,8 @@ def cmd_demo(args) -> int:
     from pipeline.demo import run_demo
 
     return run_demo(_settings(args), requests=args.requests, workers=args.workers,
-                    sim_latency_ms=args.sim_latency_ms, keep_broker=args.keep_broker, rate=args.rate)
+                    sim_latency_ms=args.sim_latency_ms, keep_broker=args.keep_broker, rate=args.rate,
+                    gateway=not args.no_gateway)
 
 
 def cmd_acls(args) -> int:
@@ -319,13 +320,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_cancel)
 
     p = sub.add_parser("demo", help="the end-to-end demo behind `make demo`",
-                       description="Starts the local broker if none answers, creates topics, starts workers, "
-                                   "submits a mixed load across priorities and tenants, prints a summary table, "
-                                   "then stops what it started.")
-    p.add_argument("--requests", type=int, default=2000)
+                       description="Starts the local broker if none answers, creates topics, starts the gateway "
+                                   "and workers, submits a load mostly of BACKGROUND work (more than the workers "
+                                   "can take) across priorities and tenants, one of them rate-limited, some "
+                                   "requests degradable; prints per-priority waits and latencies, the rate-limited "
+                                   "and degraded requests, then stops what it started.")
+    p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--sim-latency-ms", type=float, default=20.0)
-    p.add_argument("--rate", type=float, default=400.0, help="requests per second submitted")
+    p.add_argument("--rate", type=float, default=600.0, help="requests per second submitted")
+    p.add_argument("--no-gateway", action="store_true", help="workers read the request topics directly")
     p.add_argument("--keep-broker", action="store_true", help="leave a broker the demo started running")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -273,7 +273,8 @@ class GatewaySettings:
     #: GET /v1/queue (JSON) and /metrics on this port; 0 = off.
     web_port: int = 6066
     web_host: str = "127.0.0.1"
-    #: "at-least-once", or "exactly-once" (Kafka transactions through Faust's kafka:// driver).
+    #: "at-least-once" only: a batch's offsets are committed after its outputs are delivered;
+    #: a redelivered request is recognised by its id (see dedupe_horizon_ms).
     processing_guarantee: str = "at-least-once"
     #: Faust table store: memory:// (rebuilt from the changelog topics on start) or rocksdb://.
     store: str = "memory://"
@@ -377,8 +378,11 @@ class GatewaySettings:
                 raise ConfigError(f"gateway.tenant_outstanding_overrides.{tenant}", "must be a table band → cap")
         if self.demote_floor not in Priority.__members__:
             raise ConfigError("gateway.demote_floor", f"unknown band (known: {', '.join(Priority.__members__)})")
-        if self.processing_guarantee not in ("at-least-once", "exactly-once"):
-            raise ConfigError("gateway.processing_guarantee", "must be 'at-least-once' or 'exactly-once'")
+        if self.processing_guarantee != "at-least-once":
+            # faust-streaming 0.15's exactly_once leaves sends to topics the app does not consume
+            # outside its transactions, and the dispatch topics are such topics.
+            raise ConfigError("gateway.processing_guarantee", "only 'at-least-once' is supported: re-admitted "
+                                                               "requests are recognised by id instead")
         if not self.store.startswith(("memory://", "rocksdb://")):
             raise ConfigError("gateway.store", "must be memory:// or rocksdb://")
         for key in ("max_timeout_ms", "urgent_eta_factor"):

@@ -19,6 +19,7 @@ from pipeline.progress import Progress
 from pipeline.topics import create_pipeline_topics
 
 _MIX = {Priority.CRITICAL: 5, Priority.HIGH: 15, Priority.NORMAL: 40, Priority.LOW: 20, Priority.BACKGROUND: 20}
+_FLOOD_MIX = {Priority.CRITICAL: 5, Priority.HIGH: 10, Priority.NORMAL: 15, Priority.LOW: 10, Priority.BACKGROUND: 60}
 _TENANTS = [f"tenant-{name}" for name in ("acme", "globex", "initech", "umbrella", "hooli", "stark", "wayne", "tyrell")]
 _PROMPTS = ["Summarise this incident report", "Translate to French: the queue is empty",
             "Write a haiku about consumer lag", "Classify this ticket: my invoice is wrong",
@@ -52,10 +53,50 @@ def _wait_for_members(settings: Settings, group: str, members: int, timeout: flo
     raise TimeoutError(f"workers did not join group {group} within {timeout:.0f}s")
 
 
-def run_demo(settings: Settings, requests: int = 2000, workers: int = 2, sim_latency_ms: float = 20.0,
-             keep_broker: bool = False, rate: float = 400.0) -> int:
+# The gateway's part of the demo: a tenant with a tight rate limit, and a model to degrade.
+_GREEDY = "tenant-greedy"
+_DEMO_GATEWAY_TOML = """
+[gateway]
+web_port = {web_port}
+degrade_load = 0.9
+
+[gateway.downgrade]
+"sim-large" = "sim-small"
+
+[gateway.tenant_limits.{greedy}]
+per_second = {{ window_ms = 1000, requests = 20 }}
+"""
+
+
+def _start_gateway(settings: Settings, env: dict, workdir: str, web_port: int) -> subprocess.Popen:
+    config = os.path.join(workdir, "demo-gateway.toml")
+    with open(config, "w") as f:
+        f.write(_DEMO_GATEWAY_TOML.format(web_port=web_port, greedy=f'"{_GREEDY}"'))
+    log_path = os.path.join(workdir, "gateway.log")
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "gateway"],
+                            env={**env, "LLMQ_CONFIG": config}, stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT, cwd=workdir)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        with open(log_path) as f:
+            if "Worker]: Ready" in f.read():
+                return proc
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    with open(log_path) as f:
+        tail = f.read()[-2000:]
+    raise RuntimeError(f"the gateway did not start (log {log_path}):\n{tail}")
+
+
+def run_demo(settings: Settings, requests: int = 3000, workers: int = 2, sim_latency_ms: float = 20.0,
+             keep_broker: bool = False, rate: float = 600.0, gateway: bool = True) -> int:
+    import tempfile
+
     started_broker = None
     procs: list[subprocess.Popen] = []
+    workdir = tempfile.mkdtemp(prefix="llmq-demo-")
     try:
         if not broker_answers(settings.kafka.bootstrap):
             b = settings.broker
@@ -72,28 +113,40 @@ def run_demo(settings: Settings, requests: int = 2000, workers: int = 2, sim_lat
         _say(f"topics ready ({len(report.created)} created, {len(report.existing)} existed)")
 
         env = {**os.environ, "LLMQ_BOOTSTRAP": settings.kafka.bootstrap}
+        inflight = 4 if gateway else 16
+        if gateway:
+            web_port = 6066
+            procs.append(_start_gateway(settings, env, workdir, web_port))
+            _say(f"gateway admitting requests into the dispatch topics (GET http://127.0.0.1:{web_port}/v1/queue; "
+                 f"log {workdir}/gateway.log)")
         for i in range(workers):
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "pipeline.cli", "--log-level", os.environ.get("LLMQ_DEMO_WORKER_LOG", "WARNING"), "worker",
-                 "--sim-latency-ms", str(sim_latency_ms), "--max-inflight", "16", "--worker-id", f"demo-worker-{i}",
-                 "--metrics-port", "0"],
+                 "--sim-latency-ms", str(sim_latency_ms), "--max-inflight", str(inflight), "--worker-id",
+                 f"demo-worker-{i}", "--metrics-port", "0", "--source", "dispatch" if gateway else "requests"],
                 env=env, stdin=subprocess.DEVNULL))
         _wait_for_members(settings, settings.worker.group_id, workers)
+        capacity = workers * inflight * 1000 / sim_latency_ms
         _say(f"{workers} workers joined group {settings.worker.group_id} (simulated model, {sim_latency_ms:g} ms "
-             f"per call, 16 in flight each)")
-        _say(f"submitting {requests} requests at {rate:g}/s across {len(_TENANTS)} tenants and 5 priorities")
+             f"per call, {inflight} in flight each: about {capacity:,.0f} requests/s)")
+        mix = _FLOOD_MIX if gateway else _MIX
+        _say(f"submitting {requests} requests at {rate:g}/s across {len(_TENANTS) + gateway} tenants and 5 priorities"
+             + (f", mostly BACKGROUND: more than the workers can take, so a backlog builds; {_GREEDY} is "
+                f"limited to 20 requests/s; 'sim-large' requests may be degraded under load" if gateway else ""))
 
         rng = random.Random(7)
-        bands, weights = zip(*_MIX.items())
+        bands, weights = zip(*mix.items())
+        tenants = _TENANTS + ([_GREEDY] if gateway else [])
         # What to send, drawn up front; each Request is created when it is sent so that
         # its created_at (and so its measured queue wait) starts at submission.
-        draws = [(rng.choice(_TENANTS), rng.choice(_PROMPTS), rng.choices(bands, weights)[0],
+        draws = [(rng.choice(tenants), rng.choice(_PROMPTS), rng.choices(bands, weights)[0],
                   rng.choice((16, 64, 256))) for _ in range(requests)]
         plan: list[Request] = []
         sent_at: dict[str, float] = {}
         latency: dict[Priority, list[float]] = defaultdict(list)
         waits: dict[Priority, list[float]] = defaultdict(list)
         outcome: dict[Priority, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        examples: dict[str, list] = defaultdict(list)  # rate_limited / degraded → responses
         lock = threading.Lock()
         with LlmqClient(settings) as client, Progress(requests, "responses") as bar:
             def on_response(req: Request):
@@ -108,6 +161,10 @@ def run_demo(settings: Settings, requests: int = 2000, workers: int = 2, sim_lat
                         if resp.started_at is not None:
                             waits[req.priority].append(resp.started_at - resp.created_at)
                         outcome[req.priority][resp.status.value] += 1
+                        if (resp.reason or "").startswith("rate_limited"):
+                            examples["rate_limited"].append(resp)
+                        if resp.degraded:
+                            examples["degraded"].append(resp)
                         bar.advance()
                 return done
 
@@ -117,7 +174,10 @@ def run_demo(settings: Settings, requests: int = 2000, workers: int = 2, sim_lat
                 pause = start + i / rate - time.monotonic()
                 if pause > 0:
                     time.sleep(pause)
-                req = Request.new(tenant, prompt, priority=band, max_tokens=max_tokens, timeout_ms=120_000)
+                # A third of the requests ask for the large model and accept a smaller one under load.
+                large = i % 3 == 0
+                req = Request.new(tenant, prompt, priority=band, max_tokens=max_tokens, timeout_ms=120_000,
+                                  model="sim-large" if large else "sim-small", allow_degrade=large)
                 plan.append(req)
                 sent_at[req.request_id] = time.monotonic()
                 client.response_future(req.request_id).add_done_callback(on_response(req))
@@ -127,7 +187,9 @@ def run_demo(settings: Settings, requests: int = 2000, workers: int = 2, sim_lat
             deadline = time.monotonic() + 120
             while bar.done < requests and time.monotonic() < deadline:
                 time.sleep(0.05)
-        _print_summary(plan, latency, waits, outcome)
+        _print_summary(plan, latency, waits, outcome, gateway)
+        if gateway:
+            _print_gateway_effects(examples)
         missing = requests - sum(sum(v.values()) for v in outcome.values())
         if missing:
             print(f"\n{missing} requests got no response within 120 s", file=sys.stderr)
@@ -142,13 +204,28 @@ def run_demo(settings: Settings, requests: int = 2000, workers: int = 2, sim_lat
             except subprocess.TimeoutExpired:
                 p.kill()
         if procs:
-            _say("workers stopped (SIGTERM: drained, committed, left the group)")
+            _say("gateway and workers stopped (SIGTERM: drained, committed, left the group)" if gateway
+                 else "workers stopped (SIGTERM: drained, committed, left the group)")
         if started_broker is not None and not keep_broker:
             started_broker.down()
             _say("broker stopped")
 
 
-def _print_summary(plan, latency, waits, outcome) -> None:
+def _print_gateway_effects(examples: dict) -> None:
+    limited = examples.get("rate_limited", [])
+    degraded = examples.get("degraded", [])
+    print()
+    if limited:
+        r = limited[0]
+        print(f"rate limited: {len(limited)} requests of {r.tenant_id} answered REJECTED, e.g. "
+              f"reason={r.reason!r} retry_after_ms={r.retry_after_ms}")
+    if degraded:
+        r = degraded[0]
+        print(f"degraded:     {len(degraded)} 'sim-large' requests served by {r.model!r} under load "
+              f"(degraded=true in the response)")
+
+
+def _print_summary(plan, latency, waits, outcome, gateway: bool = False) -> None:
     counts = defaultdict(int)
     for r in plan:
         counts[r.priority] += 1
@@ -169,5 +246,7 @@ def _print_summary(plan, latency, waits, outcome) -> None:
     all_waits = [x for v in waits.values() for x in v]
     print(f"{'all':<11} {len(plan):>6} {total_done:>10} {len(all_lat) - total_done:>6} "
           f"{_percentile(all_waits, 0.5):>9.1f} {_percentile(all_lat, 0.5):>8.1f} {_percentile(all_lat, 0.99):>8.1f}")
-    print("\nwait = request created → a worker started it; p50/p99 = submit → response seen by the client. Priority-aware scheduling arrives with the "
-          "gateway and worker pools; here every band shares one worker group.")
+    print("\nwait = request created → a worker started it; p50/p99 = submit → response seen by the client.")
+    if gateway:
+        print("Under a backlog the workers serve higher bands first (lower bands keep a minimum share), so CRITICAL "
+              "waits stay short while BACKGROUND waits grow.")

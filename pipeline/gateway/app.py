@@ -27,10 +27,12 @@ import asyncio
 import logging
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import MutableMapping
 from pathlib import Path
 
 import faust
+from confluent_kafka import Producer
 from faust.streams import _current_event
 from mode.utils.times import want_seconds
 
@@ -39,7 +41,7 @@ from pipeline.config import Settings
 from pipeline.dlq import dead_letter_headers
 from pipeline.errors import DecodeError, EncodeError, LlmqError
 from pipeline.gateway import faust_fixes
-from pipeline.models import Priority, Request, Response, Status
+from pipeline.models import Priority, Response, Status
 from pipeline.observability.metrics import GatewayMetrics, reason_code
 from pipeline.policy.admission import Action, Admission, DegradePolicy
 from pipeline.policy.fairness import FairnessQuotas
@@ -54,6 +56,39 @@ _SEP = "\x1f"
 _BAND_BY_NAME = {p.value: p for p in Priority}
 
 
+class _Batch:
+    """Table writes of one batch, kept until its end and then written once per key.
+
+    Every table write is a changelog message; a batch of 500 requests from 50 tenants touches
+    ~100 counters, so writing each once at the end of the batch (with the event it belongs to
+    as Faust's "current event", and the clock of its decision) saves most of them. Reads see
+    the batch's own writes first.
+    """
+
+    def __init__(self, gateway: "Gateway"):
+        self.gateway = gateway
+        self.event = None  # set by the agent: the event whose decision is being made
+        self.dirty: dict = {}  # (table id, key) → (write, value, event, clock_s)
+
+    def get(self, table, key, read):
+        entry = self.dirty.get((id(table), key))
+        return entry[1] if entry is not None else read()
+
+    def set(self, table, key, value, write) -> None:
+        g = self.gateway
+        self.dirty[(id(table), key)] = (write, value, self.event, g._clock_s)
+
+    def flush(self) -> None:
+        g = self.gateway
+        clock = g._clock_s
+        for write, value, event, clock_s in self.dirty.values():
+            _as_current(event)
+            g._clock_s = clock_s
+            write(value)
+        g._clock_s = clock
+        self.dirty.clear()
+
+
 class _WindowedCounts(MutableMapping):
     """The rate limiter's counters, kept in one Faust windowed table per limit.
 
@@ -62,8 +97,9 @@ class _WindowedCounts(MutableMapping):
     epoch-aligned tumbling window the limiter computed.
     """
 
-    def __init__(self, tables: dict):
+    def __init__(self, tables: dict, batch: _Batch):
         self.tables = tables
+        self.batch = batch
 
     @staticmethod
     def _split(key: str) -> tuple[str, str]:
@@ -72,20 +108,22 @@ class _WindowedCounts(MutableMapping):
         return name, who
 
     def __getitem__(self, key):
-        name, who = self._split(key)
-        value = self.tables[name][who].value()
+        value = self.get(key)
         if value is None:
             raise KeyError(key)
         return value
 
     def get(self, key, default=None):
         name, who = self._split(key)
-        value = self.tables[name][who].value()
+        table = self.tables[name]
+        # Keyed by the full key (it names the window) so a boundary inside a batch is exact.
+        value = self.batch.get(table, key, lambda: table[who].value())
         return default if value is None else value
 
     def __setitem__(self, key, value):
         name, who = self._split(key)
-        self.tables[name][who] = value
+        table = self.tables[name]
+        self.batch.set(table, key, value, lambda v: table.__setitem__(who, v))
 
     def __delitem__(self, key):  # windows expire by themselves
         raise NotImplementedError
@@ -95,6 +133,29 @@ class _WindowedCounts(MutableMapping):
 
     def __len__(self):
         return 0
+
+
+class _Counts:
+    """A plain table behind the batch's write-back."""
+
+    def __init__(self, table, batch: _Batch):
+        self.table, self.batch = table, batch
+
+    def get(self, key, default=0):
+        return self.batch.get(self.table, key, lambda: self.table.get(key, default))
+
+    def __getitem__(self, key):
+        return self.get(key)
+
+    def __setitem__(self, key, value):
+        table = self.table
+        self.batch.set(table, key, value, lambda v: table.__setitem__(key, v))
+
+    def add(self, key, n: int = 1) -> None:
+        self[key] = (self.get(key) or 0) + n
+
+    def items(self):
+        return self.table.items()
 
 
 class _Outstanding(MutableMapping):
@@ -145,22 +206,31 @@ class Gateway:
         datadir = Path(datadir or Path(".llmq") / f"gateway-{app_id}")
         datadir.parent.mkdir(parents=True, exist_ok=True)
         self.app = faust.App(
-            app_id, broker=broker, store=g.store, autodiscover=False,
-            processing_guarantee="exactly_once" if g.processing_guarantee == "exactly-once" else "at_least_once",
+            app_id, broker=broker, store=g.store, autodiscover=False, processing_guarantee="at_least_once",
             topic_partitions=t.request_partitions, topic_replication_factor=t.replication_factor,
             table_standby_replicas=0, producer_linger=g.producer_linger_ms / 1000.0, producer_acks=-1,
             consumer_auto_offset_reset="earliest", broker_commit_interval=0.5,
             web_enabled=bool(port), web_port=port or 6066, web_bind=g.web_host,
             datadir=str(datadir), broker_credentials=credentials)
         self._clock_s = time.time()
+        # What the gateway publishes (dispatch, responses, dead letters) goes through
+        # librdkafka: a produce costs microseconds there, against a good part of a
+        # millisecond through aiokafka; each batch waits for its deliveries before its
+        # offsets are acknowledged. Faust's own producer still writes the tables' changelogs.
+        self.out = Producer(settings.kafka.producer_config(**{
+            "client.id": f"{app_id}-out", "linger.ms": g.producer_linger_ms}))
+        self._delivery_errors: list = []
 
         # -- topics --
         raw = dict(key_type=bytes, value_type=bytes, value_serializer="raw")
-        self.requests = self.app.topic(*t.request_topics, **raw)
+        # One topic, one agent, one buffer per band: Faust stops fetching a partition whose
+        # buffer is under pressure, so a BACKGROUND flood waits in its own topic instead of
+        # in front of CRITICAL requests in a shared buffer.
+        self.requests = {p: self.app.topic(t.request_topic(p), **raw) for p in Priority}
         self.responses_in = self.app.topic(t.responses, **raw)
-        self.responses_out = self.app.topic(t.responses, **raw)
-        self.dlq = self.app.topic(t.dlq, **raw)
-        self.dispatch = {p: self.app.topic(t.dispatch_topic(p), **raw) for p in Priority}
+        self.responses_topic = t.responses
+        self.dlq_topic = t.dlq
+        self.dispatch_topics = {p: t.dispatch_topic(p) for p in Priority}
 
         # -- tables (changelog-backed) --
         default_limits, tenant_limits = g.window_limits()
@@ -176,28 +246,39 @@ class Gateway:
             for name, ms in windows.items()}
         self.admitted_t = self.app.Table("admitted", default=int, partitions=t.request_partitions)
         self.finished_t = self.app.Table("finished", default=int, partitions=t.response_partitions)
+        # Request ids admitted or answered, one changelog record per batch and partition:
+        # key = first offset of the batch there, value = [[request id, source], ...].
         horizon_s = max(2, g.dedupe_horizon_ms // 2000)
-        self.seen = self.app.Table("seen", default=lambda: None, partitions=t.request_partitions) \
+        self.seen_log = self.app.Table("seen", default=lambda: None, partitions=t.request_partitions) \
             .tumbling(float(horizon_s), expires=2.0 * horizon_s).relative_to(lambda event=None: self._clock_s)
-        self._seen_window_s = float(horizon_s)
+        self._seen: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id → (source, clock_s)
+        self._seen_horizon_s = 2.0 * horizon_s
+        self._seen_loaded = False
 
+        self._admit_batch = _Batch(self)
+        self._completion_batch = _Batch(self)
+        self._admitted = _Counts(self.admitted_t, self._admit_batch)
+        self._finished_in_admit = _Counts(self.finished_t, self._admit_batch)  # read only there
+        self._finished = _Counts(self.finished_t, self._completion_batch)
         caps = g.band_ints("queue_caps")
         self.queues = QueueModel([caps.get(p.value, 0) for p in Priority], default_rate_per_s=g.default_drain_rate)
         self.admission = Admission(
             g.priority_policy(),
-            RateLimiter(default_limits, tenant_limits, counts=_WindowedCounts(self.rate_tables)),
+            RateLimiter(default_limits, tenant_limits, counts=_WindowedCounts(self.rate_tables, self._admit_batch)),
             FairnessQuotas(g.band_ints("tenant_outstanding"), floor=Priority(g.demote_floor),
                            tenant_caps=dict(g.tenant_outstanding_overrides),
-                           counts=_Outstanding(self.admitted_t, self.finished_t)),
+                           counts=_Outstanding(self._admitted, self._finished_in_admit)),
             self.queues,
             DegradePolicy(load=g.degrade_load, downgrade=dict(g.downgrade), simple_prompt_tokens=g.simple_prompt_tokens,
                           simple_max_tokens=g.simple_max_tokens),
             max_timeout_ms=g.max_timeout_ms)
         self.cancellations: CancellationView | None = None
         self._depth_loaded = False
-        self.batch_size = 500
+        # Batches are processed without yielding to the other bands' agents: kept short.
+        self.batch_size = 200
 
-        self.app.agent(self.requests, name="admit", concurrency=1)(self._admit_agent)
+        for band, topic in self.requests.items():
+            self.app.agent(topic, name=f"admit-{band.value.lower()}", concurrency=1)(self._admit_agent)
         self.app.agent(self.responses_in, name="completions", concurrency=1)(self._completions_agent)
         self.app.timer(0.2, on_leader=False)(self._poll_cancellations)
         gateway = self
@@ -217,33 +298,57 @@ class Gateway:
     # -- agents ---------------------------------------------------------------------------
 
     async def _admit_agent(self, stream):
+        loop = asyncio.get_running_loop()
         async for events in stream.take_events(self.batch_size, within=0.005):
-            sent = []
+            if not self._depth_loaded:
+                self._load_state()
+            batch = self._admit_batch
+            seen_new: dict[int, list] = {}  # partition → [first event, [[id, source], ...]]
             for event in events:
-                _as_current(event)
-                sent.extend(await self._admit_one(event))
-            # The batch's offsets are acknowledged when this body returns: only after every
-            # output of the batch was acknowledged by the broker.
-            if sent:
-                await asyncio.gather(*sent)
+                batch.event = event
+                self._admit_one(event, seen_new)
+            # Table writes, then the outputs' delivery; the batch's offsets are acknowledged
+            # when this body returns, so only after both.
+            batch.flush()
+            for first, entries in seen_new.values():
+                _as_current(first)
+                self.seen_log[f"{first.message.partition}:{first.message.offset}"] = entries
+            self.out.poll(0)
+            remaining = await loop.run_in_executor(None, self.out.flush, 30.0)
+            if remaining or self._delivery_errors:
+                errors, self._delivery_errors = self._delivery_errors[:3], []
+                raise LlmqError(f"{remaining} outputs not delivered, errors: {errors}; the batch will be redone")
             yield len(events)
 
     async def _completions_agent(self, stream):
         async for events in stream.take_events(self.batch_size, within=0.01):
             now = _now_ms()
+            self._clock_s = now / 1000.0
+            batch = self._completion_batch
             for event in events:
-                _as_current(event)
+                batch.event = event
                 self._complete_one(event, now)
+            batch.flush()
             yield len(events)
 
     # -- one request ----------------------------------------------------------------------
 
-    async def _admit_one(self, event) -> list:
+    def _produce(self, topic: str, value: bytes, key: bytes | None, headers=None) -> None:
+        while True:
+            try:
+                self.out.produce(topic, value, key, headers=headers, on_delivery=self._on_delivery)
+                return
+            except BufferError:
+                self.out.poll(0.05)
+
+    def _on_delivery(self, err, msg) -> None:
+        if err is not None:
+            self._delivery_errors.append(f"{msg.topic()}: {err}")
+
+    def _admit_one(self, event, seen_new: dict) -> None:
         msg = event.message
         now = _now_ms()
         self._clock_s = now / 1000.0
-        if not self._depth_loaded:
-            self._load_depths()
         m = self.metrics
         try:
             req = self.codec.decode_request(event.value)
@@ -253,21 +358,22 @@ class Gateway:
             headers = dead_letter_headers(msg.topic, msg.partition, msg.offset, exc.reason, str(exc), "gateway",
                                           list(msg.headers or ()))
             log.warning("dead-lettering %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, exc)
-            return [await self.dlq.send(key=event.key, value=event.value, headers=headers)]
+            self._produce(self.dlq_topic, event.value, event.key, headers)
+            return
 
         source = f"{msg.topic}:{msg.partition}:{msg.offset}"
-        seen = self._seen_source(req.request_id)
-        if seen is not None and seen != source:
+        seen = self._seen.get(req.request_id)
+        if seen is not None and seen[0] != source:
             # The same id submitted again: it was (or is being) answered once already.
             m.outcome(req.priority.value, "duplicate")
-            return []
+            return
+        self._remember(req.request_id, source, event, seen_new)
 
         cancelled = self.cancellations is not None and self.cancellations.reason(req.request_id) is not None
         decision = self.admission.decide(req, now, cancelled=cancelled)
         band = decision.band or req.priority
         if decision.action is Action.DISPATCH:
-            self.seen[req.request_id] = source
-            self.admitted_t[f"{band.value}{_SEP}p{msg.partition}"] += 1
+            self._admitted.add(f"{band.value}{_SEP}p{msg.partition}")
             req.admitted_at = now
             req.effective_priority = band
             if decision.degraded_from is not None:
@@ -276,15 +382,15 @@ class Gateway:
             if band is not req.priority:
                 m.reprioritised.labels(req.priority.value, band.value).inc()
             m.outcome(req.priority.value, "admitted")
-            out = [await self.dispatch[band].send(key=req.tenant_id.encode(), value=self._encode_request(req))]
+            topic = self.dispatch_topics[band]
+            self._produce(topic, self.codec.encode_request(req, self._wire, topic), req.tenant_id.encode())
             if req.notify_queued:
-                queued = Response.for_request(req, Status.QUEUED, reason=None, admitted_at=now, served_priority=band,
-                                              queue_position=decision.position,
-                                              eta_ms=None if decision.eta_ms is None or decision.eta_ms == float("inf")
-                                              else int(decision.eta_ms),
-                                              model=req.model, degraded=req.degraded_from is not None)
-                out.append(await self._respond(queued))
-            return out
+                eta = decision.eta_ms
+                self._respond(Response.for_request(
+                    req, Status.QUEUED, admitted_at=now, served_priority=band, queue_position=decision.position,
+                    eta_ms=None if eta is None or eta == float("inf") else int(eta), model=req.model,
+                    degraded=req.degraded_from is not None))
+            return
 
         status = {Action.REJECT: Status.REJECTED, Action.EXPIRE: Status.EXPIRED,
                   Action.CANCEL: Status.CANCELLED}[decision.action]
@@ -292,31 +398,35 @@ class Gateway:
         m.outcome(req.priority.value, outcome)
         if status is Status.REJECTED:
             m.rejections.labels(req.priority.value, reason_code(decision.reason)).inc()
-        # Answered once, even if the client submits the same id again later.
-        self.seen[req.request_id] = source
-        response = Response.for_request(req, status, reason=decision.reason, retry_after_ms=decision.retry_after_ms,
-                                        served_priority=decision.band)
-        return [await self._respond(response)]
+        self._respond(Response.for_request(req, status, reason=decision.reason,
+                                           retry_after_ms=decision.retry_after_ms, served_priority=decision.band))
 
-    def _seen_source(self, request_id: str) -> str | None:
-        """Where this id was first seen, if in this window or the one before."""
-        table = self.seen.table
-        found = table._windowed_timestamp(request_id, self._clock_s)
-        if found is None:
-            found = table._windowed_timestamp(request_id, self._clock_s - self._seen_window_s)
-        return found
+    def _remember(self, request_id: str, source: str, event, seen_new: dict) -> None:
+        seen = self._seen
+        if request_id in seen:
+            return  # redelivered after a crash: already logged
+        clock = self._clock_s
+        seen[request_id] = (source, clock)
+        entry = seen_new.get(event.message.partition)
+        if entry is None:
+            entry = seen_new[event.message.partition] = [event, []]
+        entry[1].append([request_id, source])
+        # Oldest first (insertion order): forget what is past the horizon.
+        horizon = clock - self._seen_horizon_s
+        while seen:
+            oldest = next(iter(seen.values()))
+            if oldest[1] >= horizon:
+                break
+            seen.popitem(last=False)
 
-    async def _respond(self, response: Response):
+    def _respond(self, response: Response) -> None:
         try:
-            value = self.codec.encode_response(response, self._wire, self.responses_out.get_topic_name())
+            value = self.codec.encode_response(response, self._wire, self.responses_topic)
         except EncodeError as exc:
             # A rejection echoes nothing big, but a reason could still be long: keep it short.
             response.reason = f"{(response.reason or '')[:200]} ({exc})"[:500]
-            value = self.codec.encode_response(response, self._wire, self.responses_out.get_topic_name())
-        return await self.responses_out.send(key=response.tenant_id.encode(), value=value)
-
-    def _encode_request(self, req: Request) -> bytes:
-        return self.codec.encode_request(req, self._wire, self.dispatch[req.effective_priority].get_topic_name())
+            value = self.codec.encode_response(response, self._wire, self.responses_topic)
+        self._produce(self.responses_topic, value, response.tenant_id.encode())
 
     # -- completions ----------------------------------------------------------------------
 
@@ -328,13 +438,13 @@ class Gateway:
         if not resp.status.is_terminal or resp.admitted_at is None or resp.served_priority is None:
             return  # progress events, and answers to requests the gateway never dispatched
         band = resp.served_priority
-        self.finished_t[f"{resp.tenant_id}{_SEP}{band.value}"] += 1
-        self.finished_t[f"{band.value}{_SEP}p{event.message.partition}"] += 1
+        self._finished.add(f"{resp.tenant_id}{_SEP}{band.value}")
+        self._finished.add(f"{band.value}{_SEP}p{event.message.partition}")
         self.queues.finished(band.rank, now)
         self.metrics.finished.labels(band.value, resp.status.value.lower()).inc()
 
-    def _load_depths(self) -> None:
-        """Band depths from the tables (after recovery): admitted minus finished, per band."""
+    def _load_state(self) -> None:
+        """After recovery: band depths (admitted minus finished) and the remembered ids."""
         self._depth_loaded = True
         admitted = [0] * len(Priority)
         finished = [0] * len(Priority)
@@ -347,6 +457,13 @@ class Gateway:
         if any(self.queues.depth):
             log.info("queue depths after recovery: %s",
                      ", ".join(f"{p.value} {self.queues.depth[p.rank]}" for p in Priority))
+        restored = []
+        for (_key, (start, _end)), entries in list(self.seen_log.table.data.items()):
+            restored += [(start, rid, source) for rid, source in entries or ()]
+        for start, rid, source in sorted(restored):
+            self._seen.setdefault(rid, (source, start))
+        if restored:
+            log.info("remembering %d request ids from before the restart", len(self._seen))
 
     # -- timers and views -----------------------------------------------------------------
 
