@@ -39,6 +39,8 @@ from pipeline.serde.factory import codec_for
 log = logging.getLogger(__name__)
 
 _EARLY_RESPONSES = 1000
+#: No response for this long while some are awaited: check the listener is not stuck.
+_LISTENER_STALL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,10 @@ class _Correlator:
             if not fut.done():
                 self._queued.pop(request_id, None)
                 fut.set_result(response)
+
+    def waiting(self) -> bool:
+        with self._lock:
+            return any(not f.done() for f in self._waiters.values())
 
     def fail_all(self, error: BaseException) -> None:
         with self._lock:
@@ -219,13 +225,19 @@ class _Engine:
                 time.sleep(0.2)
 
     def _listen(self, consumer: Consumer) -> None:
+        last_message = last_check = time.monotonic()
         try:
             while not self._closed.is_set():
                 # consume(n, timeout) waits for n messages or the timeout, whichever is
                 # first; poll() returns at the first one, then take whatever else is ready.
                 first = consumer.poll(0.1)
                 if first is None:
+                    now = time.monotonic()
+                    if now - last_message > _LISTENER_STALL_S and now - last_check > _LISTENER_STALL_S:
+                        last_check = now
+                        self._unstick(consumer)
                     continue
+                last_message = time.monotonic()
                 for msg in [first, *consumer.consume(499, 0)]:
                     if msg.error() is not None or msg.value() is None:
                         continue
@@ -241,6 +253,23 @@ class _Engine:
             self.correlator.fail_all(LlmqError(f"response listener failed: {exc}"))
         finally:
             consumer.close()
+
+    def _unstick(self, consumer: Consumer) -> None:
+        """An assign()-ed librdkafka consumer can stop fetching after a broker restart
+        (librdkafka#5153). If responses are waiting past our position and nothing came for a
+        while, assign the partitions again at the positions reached."""
+        if not self.correlator.waiting():
+            return
+        try:
+            positions = consumer.position(consumer.assignment())
+            behind = [tp for tp in positions
+                      if tp.offset >= 0 and consumer.get_watermark_offsets(tp, timeout=2, cached=False)[1] > tp.offset]
+            if behind:
+                log.warning("response listener made no progress for %.0f s with %d partitions behind; "
+                            "re-assigning at its positions", _LISTENER_STALL_S, len(behind))
+                consumer.assign(positions)
+        except KafkaException as exc:
+            log.info("response listener check failed (%s); will retry", exc)
 
     def close(self, timeout: float = 10.0) -> None:
         remaining = self.producer.flush(timeout)

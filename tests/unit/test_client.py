@@ -132,3 +132,52 @@ def test_result_times_out_on_queued_alone(client):
     client._engine.correlator.deliver(_queued(req, 0))
     with pytest.raises(RequestTimeoutError):
         client.result(req.request_id, timeout=0.05)
+
+
+# -- the response listener's guard against a consumer that stopped fetching (librdkafka#5153) --
+
+class _StuckConsumer:
+    def __init__(self, position: int, high: int):
+        from confluent_kafka import TopicPartition
+
+        self.tp = TopicPartition("llm.responses", 0, position)
+        self.high = high
+        self.reassigned = []
+
+    def assignment(self):
+        return [self.tp]
+
+    def position(self, parts):
+        return list(parts)
+
+    def get_watermark_offsets(self, tp, timeout=None, cached=False):
+        return 0, self.high
+
+    def assign(self, parts):
+        self.reassigned.append([(p.topic, p.partition, p.offset) for p in parts])
+
+
+def _engine_with(correlator):
+    from pipeline.client import _Engine
+
+    engine = _Engine.__new__(_Engine)
+    engine.correlator = correlator
+    return engine
+
+
+def test_a_listener_behind_the_high_watermark_with_someone_waiting_is_reassigned_at_its_position():
+    correlator = _Correlator()
+    correlator.expect("waiting-id")
+    consumer = _StuckConsumer(position=40, high=45)
+    _engine_with(correlator)._unstick(consumer)
+    assert consumer.reassigned == [[("llm.responses", 0, 40)]]
+
+
+def test_an_idle_listener_with_nothing_to_read_or_nobody_waiting_is_left_alone():
+    waiting = _Correlator()
+    waiting.expect("id")
+    caught_up = _StuckConsumer(position=45, high=45)
+    _engine_with(waiting)._unstick(caught_up)
+    behind = _StuckConsumer(position=40, high=45)
+    _engine_with(_Correlator())._unstick(behind)
+    assert caught_up.reassigned == [] and behind.reassigned == []
