@@ -49,6 +49,7 @@ from pipeline.config import Settings  # noqa: E402
 from pipeline.models import Priority, Request  # noqa: E402
 from pipeline.serde import Codec  # noqa: E402
 from pipeline.topics import create_pipeline_topics  # noqa: E402
+from pipeline.testing import produce_request  # noqa: E402
 from pipeline.worker.backends.simulated import LATENCY_METADATA_KEY  # noqa: E402
 
 OUT = ROOT / "bench" / "chaos.json"
@@ -81,14 +82,7 @@ def fill(settings: Settings, n: int, slow_calls: int) -> list[str]:
         req = Request.new(f"tenant-{i % 20}", f"chaos request {i}", priority=list(Priority)[i % 5],
                           max_tokens=8, timeout_ms=3_600_000, metadata=metadata)
         ids.append(req.request_id)
-        while True:
-            try:
-                producer.produce(settings.topics.request_topic(req.priority), codec.encode_request(req),
-                                 req.tenant_id.encode())
-                break
-            except BufferError:
-                producer.poll(0.05)
-        producer.poll(0)
+        produce_request(producer, settings, codec, req)
     if producer.flush(60) != 0:
         raise SystemExit("could not write the requests to the broker")
     return ids

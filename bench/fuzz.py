@@ -63,16 +63,17 @@ REASON_PREFIXES = {Status.REJECTED: ("invalid_request: ", "duplicate_request_id:
 
 _STORE = SchemaStore.load()
 _REVISIONS = {r.revision: r for r in _STORE.revisions("llm_request")}
-# Bodies are written as revision 2 (an older writer every reader still resolves) or 1.
-HEADERS = {2: b"\xc3\x01" + _REVISIONS[2].fingerprint.le_bytes,
-           1: b"\xc3\x01" + _REVISIONS[1].fingerprint.le_bytes}
+# Bodies are written as the current revision (3: the worker's strict fast path) or as older
+# writers every reader still resolves through fastavro (2 and 1).
+HEADERS = {r: b"\xc3\x01" + _REVISIONS[r].fingerprint.le_bytes for r in (1, 2, 3)}
 FIELDS = {2: ("request_id", "tenant_id", "priority", "prompt", "model", "max_tokens", "created_at", "timeout_ms",
               "user_tier", "task_tier", "allow_degrade", "notify_queued", "trace_id", "metadata")}
 FIELDS[1] = tuple(f for f in FIELDS[2] if f not in ("notify_queued", "trace_id"))
+FIELDS[3] = FIELDS[2] + ("admitted_at", "effective_priority", "degraded_from")
 KINDS = {"request_id": "string", "tenant_id": "string", "priority": "long", "prompt": "string", "model": "string",
          "max_tokens": "long", "created_at": "long", "timeout_ms": "long", "user_tier": "string",
          "task_tier": "long", "allow_degrade": "byte", "notify_queued": "byte", "trace_id": "union",
-         "metadata": "map"}
+         "metadata": "map", "admitted_at": "union", "effective_priority": "union", "degraded_from": "union"}
 
 
 def _check_schema() -> None:
@@ -214,7 +215,7 @@ class Generator:
         self.seeds: list[bytes] = []
         for _ in range(32):
             req = self.valid_request()
-            self.seeds.append(self.encode(req, self.rng.choice((1, 2))))
+            self.seeds.append(self.encode(req, self.rng.choice((1, 2, 3))))
 
     # values ---------------------------------------------------------------------------------
 
@@ -278,7 +279,7 @@ class Generator:
 
     def random_bytes(self) -> bytes:
         rng = self.rng
-        prefix = rng.choice((b"", b"", HEADERS[2], HEADERS[1], b"\x00" + rng.randbytes(4), b"\xc3\x01",
+        prefix = rng.choice((b"", b"", HEADERS[3], HEADERS[2], HEADERS[1], b"\x00" + rng.randbytes(4), b"\xc3\x01",
                              b"\xc3\x01" + rng.randbytes(8)))
         return prefix + rng.randbytes(self.length(rng.choice((64, 1024, 70_000))))
 
@@ -290,7 +291,7 @@ class Generator:
                       allow_degrade=int(req.allow_degrade), notify_queued=int(req.notify_queued),
                       metadata=list(req.metadata.items()))
         p = rng.choice((0.05, 0.2, 0.5, 1.0))  # how many fields turn hostile
-        for name in FIELDS[2]:
+        for name in FIELDS[3]:
             if rng.random() >= p:
                 continue
             kind = KINDS[name]
@@ -313,7 +314,7 @@ class Generator:
                         _string(k) + _string(v) for k, v in entries[:4]) + b"\x00"
                 else:
                     values[name] = entries
-        return raw_message(rng.choice((1, 2, 2)), values)
+        return raw_message(rng.choice((1, 2, 3, 3)), values)
 
     def mutated(self) -> bytes:
         rng = self.rng

@@ -25,6 +25,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from pipeline.config import Settings
 from pipeline.models import Priority, Request
 from pipeline.serde import Codec
+from pipeline.testing import produce_request
 from pipeline.topics import create_pipeline_topics
 from pipeline.worker.backends.simulated import SimulatedBackend
 from pipeline.worker.loop import Worker
@@ -130,14 +131,7 @@ def produce_paced(settings: Settings, schedule, *, codec: Codec | None = None) -
         if delay > 0:
             time.sleep(delay)
             req.created_at = int(time.time() * 1000)
-        while True:
-            try:
-                producer.produce(settings.topics.request_topic(req.priority), codec.encode_request(req),
-                                 req.tenant_id.encode())
-                break
-            except BufferError:
-                producer.poll(0.01)
-        producer.poll(0)
+        produce_request(producer, settings, codec, req)
         n += 1
     producer.flush(60)
     return n
@@ -434,7 +428,6 @@ def gateway_memory(settings: Settings, args) -> dict:
     # measures 20,000 (LLMQ_BENCH_TENANTS to change) and reports the slope.
     tenants = int(os.environ.get("LLMQ_BENCH_TENANTS", "20000"))
     s = fresh(settings)
-    codec = Codec.default()
     with tempfile.TemporaryDirectory() as tmp:
         gw = GatewayProcess(s, GENEROUS.format(extra="", rps=10**9, outstanding=0), Path(tmp))
         try:

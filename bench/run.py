@@ -36,6 +36,7 @@ from pipeline.broker import LocalBroker  # noqa: E402
 from pipeline.config import Settings  # noqa: E402
 from pipeline.models import Priority, Request  # noqa: E402
 from pipeline.serde import Codec  # noqa: E402
+from pipeline.testing import produce_request  # noqa: E402
 from pipeline.topics import TopicSpec, create_pipeline_topics, ensure_topics  # noqa: E402
 from pipeline.worker.backends.simulated import SimulatedBackend  # noqa: E402
 from pipeline.worker.loop import Worker  # noqa: E402
@@ -64,13 +65,7 @@ def _fill_requests(settings: Settings, n: int, prompt_bytes: int) -> None:
     for i in range(n):
         req = Request.new(f"tenant-{i % 50}", prompt, priority=Priority.NORMAL, max_tokens=16,
                           timeout_ms=24 * 3600 * 1000)
-        while True:
-            try:
-                producer.produce(topic, codec.encode_request(req), req.tenant_id.encode())
-                break
-            except BufferError:
-                producer.poll(0.05)
-        producer.poll(0)
+        produce_request(producer, settings, codec, req, topic)
     assert producer.flush(60) == 0
 
 

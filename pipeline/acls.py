@@ -75,9 +75,12 @@ def role_grants(settings: Settings) -> dict[str, list[Grant]]:
         "gateway": [
             _topic(requests, R, D, prefixed=True), _topic(dispatch, W, D, prefixed=True),
             _topic(t.responses, R, W, D), _topic(t.dlq, W, D), _topic(cancellations, R, D),
-            _group("llmq-gateway", R, D, prefixed=True),
-            _topic("llmq-gateway", R, W, D, AclOperation.CREATE, AclOperation.DESCRIBE_CONFIGS, prefixed=True),
-            _txn("llmq-gateway"), _IDEMPOTENT,
+            # Faust's group and its internal topics (table changelogs, the assignor's topic)
+            # are named after the app id.
+            _group(settings.gateway.app_id, R, D, prefixed=True),
+            _topic(settings.gateway.app_id, R, W, D, AclOperation.CREATE, AclOperation.DESCRIBE_CONFIGS,
+                   prefixed=True),
+            _txn(settings.gateway.app_id), _IDEMPOTENT,
         ],
         "lagexporter": [_topic(f"{t.prefix}.", D, prefixed=True), _group("llmq-", D, prefixed=True)],
     }

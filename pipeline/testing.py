@@ -32,3 +32,17 @@ class FakeMessage:
 
     def headers(self):
         return self._headers
+
+
+def produce_request(producer, settings, codec, request, topic: str | None = None) -> None:
+    """Write ``request`` to its band's topic (or ``topic``), keyed by tenant, waiting for room in
+    the producer's queue: for load generators (benchmarks, the fault harness, tests)."""
+    topic = topic or settings.topics.request_topic(request.priority)
+    value, key = codec.encode_request(request), request.tenant_id.encode()
+    while True:
+        try:
+            producer.produce(topic, value, key)
+            break
+        except BufferError:
+            producer.poll(0.02)
+    producer.poll(0)

@@ -46,16 +46,18 @@ LIMITS = SerdeLimits(max_record_bytes=8192, max_prompt_bytes=2048, max_metadata_
 
 _STORE = SchemaStore.load()
 _REV = {r.revision: r for r in _STORE.revisions("llm_request")}
-# Bodies are written as revision 2: an older writer every reader must still resolve.
-REV2 = _REV[2]
-HEADER = b"\xc3\x01" + REV2.fingerprint.le_bytes
+CURRENT = _STORE.current_revision("llm_request")
+HEADER = b"\xc3\x01" + CURRENT.fingerprint.le_bytes
 HEADER_V1 = b"\xc3\x01" + _REV[1].fingerprint.le_bytes
 
-# Field order and kinds of the request schema, revisions 2 and 1.
+# Field order and kinds of the request schema: the current revision (3) and revision 1. The
+# current one is what the worker's strict fast path decodes; older writers go through fastavro's
+# schema resolution, which accepts more (see the v1_writer_* cases).
 FIELDS_V2 = (("request_id", "string"), ("tenant_id", "string"), ("priority", "enum"), ("prompt", "string"),
              ("model", "string"), ("max_tokens", "int"), ("created_at", "long"), ("timeout_ms", "long"),
              ("user_tier", "string"), ("task_tier", "enum"), ("allow_degrade", "boolean"),
              ("notify_queued", "boolean"), ("trace_id", "union"), ("metadata", "map"))
+FIELDS_V3 = FIELDS_V2 + (("admitted_at", "union"), ("effective_priority", "union"), ("degraded_from", "union"))
 FIELDS_V1 = tuple(f for f in FIELDS_V2 if f[0] not in ("notify_queued", "trace_id"))
 
 PRIORITY_INDEX = {p: i for i, p in enumerate(Priority)}
@@ -107,20 +109,21 @@ def valid_fields(**over) -> dict:
     values = dict(request_id=str(uuid.uuid4()), tenant_id="tenant-corpus", priority=Priority.NORMAL,
                   prompt="hello there", model="sim-small", max_tokens=16, created_at=now_ms(),
                   timeout_ms=DAY_MS, user_tier="standard", task_tier=1, allow_degrade=False,
-                  notify_queued=False, trace_id=None, metadata={})
+                  notify_queued=False, trace_id=None, metadata={}, admitted_at=None, effective_priority=None,
+                  degraded_from=None)
     values.update(over)
     return values
 
 
-def body(values: dict, revision: int = 2) -> bytes:
-    fields = FIELDS_V2 if revision == 2 else FIELDS_V1
+def body(values: dict, revision: int = 3) -> bytes:
+    fields = FIELDS_V3 if revision == 3 else FIELDS_V1
     return b"".join(_field(kind, values[name]) for name, kind in fields)
 
 
-def raw_request(revision: int = 2, **over) -> tuple[str, bytes]:
+def raw_request(revision: int = 3, **over) -> tuple[str, bytes]:
     """(request_id, single-object message) of a request with the fields ``over`` overridden."""
     values = valid_fields(**over)
-    return values["request_id"], (HEADER if revision == 2 else HEADER_V1) + body(values, revision)
+    return values["request_id"], (HEADER if revision == 3 else HEADER_V1) + body(values, revision)
 
 
 def huge_count_message() -> bytes:
@@ -168,7 +171,7 @@ def _rejected(prefix: str) -> Answer:
     return Answer(REQ, prefix)
 
 
-def _request_case(name: str, expect: Answer, revision: int = 2, **over) -> Case:
+def _request_case(name: str, expect: Answer, revision: int = 3, **over) -> Case:
     rid, value = raw_request(revision, **over)
     return Case(name, value, expect, request_id=rid)
 
@@ -351,8 +354,8 @@ def test_the_raw_writer_agrees_with_the_codec():
     req = Request(request_id=values["request_id"], tenant_id=values["tenant_id"], priority=Priority.NORMAL,
                   prompt=values["prompt"], model=values["model"], max_tokens=16, created_at=values["created_at"],
                   timeout_ms=values["timeout_ms"], trace_id="abc", metadata={"k": "v"}, notify_queued=True)
-    assert Codec.default().decode_request(HEADER + body(values)) == req
-    assert [f["name"] for f in REV2.parsed["fields"]] == [name for name, _ in FIELDS_V2]
+    assert HEADER + body(values) == Codec.default().encode_request(req)
+    assert [f["name"] for f in CURRENT.parsed["fields"]] == [name for name, _ in FIELDS_V3]
     assert [f["name"] for f in _REV[1].parsed["fields"]] == [name for name, _ in FIELDS_V1]
 
 

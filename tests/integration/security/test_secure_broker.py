@@ -137,11 +137,7 @@ def test_a_producer_submits_requests(secure_broker, prefix):
 
 
 def test_the_gateway_role_reads_requests_in_its_group_and_writes_dispatch(secure_broker, prefix):
-    from confluent_kafka.admin import NewTopic
-
-    admin = AdminClient(settings_for(secure_broker, "admin", prefix).kafka.admin_config())
-    dispatch = f"{prefix}.dispatch.high"
-    admin.create_topics([NewTopic(dispatch, 1, 1)])[dispatch].result(30)
+    dispatch = f"{prefix}.dispatch.high"  # created with the pipeline's topics
     gw = {**secure_broker.client_config("gateway"), "bootstrap.servers": secure_broker.bootstrap}
     failures = []
     producer = Producer({**gw, "enable.idempotence": True})
