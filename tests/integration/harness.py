@@ -77,8 +77,7 @@ def read_topic(bootstrap: str, topic: str, *, until=None, timeout: float = 30.0,
         md = consumer.list_topics(topic, timeout=10).topics[topic]
         parts = [TopicPartition(topic, p, OFFSET_BEGINNING) for p in md.partitions]
         consumer.assign(parts)
-        highs = {p.partition: consumer.get_watermark_offsets(TopicPartition(topic, p.partition), timeout=10)[1]
-                 for p in parts}
+        highs = {p.partition: _high_watermark(consumer, TopicPartition(topic, p.partition)) for p in parts}
         out = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -99,6 +98,22 @@ def read_topic(bootstrap: str, topic: str, *, until=None, timeout: float = 30.0,
         return out
     finally:
         consumer.close()
+
+
+def _high_watermark(consumer, tp, timeout: float = 30.0) -> int:
+    """The partition's end offset; a topic just created may not have a leader for a moment."""
+    import time
+
+    from confluent_kafka import KafkaException
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return consumer.get_watermark_offsets(tp, timeout=10)[1]
+        except KafkaException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def committed_offsets(bootstrap: str, group: str, topics: list[str]) -> dict[tuple[str, int], int]:
@@ -123,7 +138,7 @@ def end_offsets(bootstrap: str, topics: list[str]) -> dict[tuple[str, int], int]
         out = {}
         for topic in topics:
             for p in consumer.list_topics(topic, timeout=10).topics[topic].partitions:
-                out[(topic, p)] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                out[(topic, p)] = _high_watermark(consumer, TopicPartition(topic, p))
         return out
     finally:
         consumer.close()
