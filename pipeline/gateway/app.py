@@ -13,12 +13,14 @@ State lives in Faust tables backed by changelog topics, so it survives a restart
 * ``admitted`` / ``finished``: per tenant and band, requests dispatched and requests whose
   terminal response came back (read from the response topic by a second agent); the
   difference is what the fairness quotas and queue depths are computed from;
-* ``seen``: request ids admitted recently with the message they came in, so a re-submitted id
-  is answered once while a redelivered message (after a crash) is processed again.
+* ``seen``: request ids answered recently with the message they came in (one record per batch
+  and partition), so a re-submitted id is answered once while a redelivered message (after a
+  crash) is processed again.
 
-Delivery: events are taken in batches; a batch's outputs are awaited until the broker has
-acknowledged them, and only then are the batch's offsets acknowledged to Faust (one agent,
-concurrency 1: faust#606 makes concurrent agents commit past in-flight events).
+Delivery: one agent per band (concurrency 1 each: faust#606 makes concurrent agents commit
+past in-flight events) takes events in batches; a batch's outputs go through librdkafka and are
+acknowledged by the broker, and its table writes are handed to Faust, before the batch's
+offsets are acknowledged.
 """
 
 from __future__ import annotations
@@ -253,7 +255,6 @@ class Gateway:
             .tumbling(float(horizon_s), expires=2.0 * horizon_s).relative_to(lambda event=None: self._clock_s)
         self._seen: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id → (source, clock_s)
         self._seen_horizon_s = 2.0 * horizon_s
-        self._seen_loaded = False
 
         self._admit_batch = _Batch(self)
         self._completion_batch = _Batch(self)
