@@ -328,7 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--sim-latency-ms", type=float, default=20.0)
-    p.add_argument("--rate", type=float, default=600.0, help="requests per second submitted")
+    p.add_argument("--rate", type=float, default=350.0,
+                   help="requests per second submitted (default 350: under what the gateway admits here, "
+                        "over what the demo's workers serve)")
     p.add_argument("--no-gateway", action="store_true", help="workers read the request topics directly")
     p.add_argument("--keep-broker", action="store_true", help="leave a broker the demo started running")
     p.set_defaults(func=cmd_demo)

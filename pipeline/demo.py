@@ -91,7 +91,7 @@ def _start_gateway(settings: Settings, env: dict, workdir: str, web_port: int) -
 
 
 def run_demo(settings: Settings, requests: int = 3000, workers: int = 2, sim_latency_ms: float = 20.0,
-             keep_broker: bool = False, rate: float = 600.0, gateway: bool = True) -> int:
+             keep_broker: bool = False, rate: float = 350.0, gateway: bool = True) -> int:
     import tempfile
 
     started_broker = None
@@ -113,7 +113,7 @@ def run_demo(settings: Settings, requests: int = 3000, workers: int = 2, sim_lat
         _say(f"topics ready ({len(report.created)} created, {len(report.existing)} existed)")
 
         env = {**os.environ, "LLMQ_BOOTSTRAP": settings.kafka.bootstrap}
-        inflight = 4 if gateway else 16
+        inflight = 2 if gateway else 16
         if gateway:
             web_port = 6066
             procs.append(_start_gateway(settings, env, workdir, web_port))
