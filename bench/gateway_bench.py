@@ -120,10 +120,24 @@ class ThreadWorkers:
             t.join(60)
 
 
+_PRODUCERS: dict[str, Producer] = {}
+
+
+def _producer(settings: Settings) -> Producer:
+    """One producer per broker for the whole run, as a client service would have: a new one
+    spends its first half second on metadata and its idempotent producer id, which would be
+    measured as the first requests' wait."""
+    producer = _PRODUCERS.get(settings.kafka.bootstrap)
+    if producer is None:
+        producer = _PRODUCERS[settings.kafka.bootstrap] = Producer(
+            settings.kafka.producer_config(**{"linger.ms": 1}))
+    return producer
+
+
 def produce_paced(settings: Settings, schedule, *, codec: Codec | None = None) -> int:
     """``schedule`` yields (at_s, Request); each is produced at its time (relative to now)."""
     codec = codec or Codec.default()
-    producer = Producer(settings.kafka.producer_config(**{"linger.ms": 1}))
+    producer = _producer(settings)
     t0 = time.monotonic()
     n = 0
     for at, req in schedule:
