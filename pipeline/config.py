@@ -309,6 +309,9 @@ class GatewaySettings:
     default_drain_rate: float = 0.0
     #: How long a request id is remembered, so a re-submitted id is answered once.
     dedupe_horizon_ms: int = 120_000
+    #: How long a batch of requests may wait to fill before it is admitted: longer batches
+    #: amortise the per-batch work (deliveries, table writes), at up to this much latency.
+    batch_wait_ms: int = 5
     #: aiokafka: the longest a fetch waits for data (its default, 500 ms, dominates latency).
     fetch_max_wait_ms: int = 5
     producer_linger_ms: int = 1
@@ -392,6 +395,7 @@ class GatewaySettings:
             if not 0 < getattr(self, key) <= 10:
                 raise ConfigError(f"gateway.{key}", "must be a fraction of capacity, > 0 (0.8 = 80%)")
         for key in ("urgent_ms", "simple_prompt_tokens", "simple_max_tokens", "default_drain_rate", "dedupe_horizon_ms",
+                    "batch_wait_ms",
                     "fetch_max_wait_ms", "producer_linger_ms"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"gateway.{key}", f"must be >= 0, got {getattr(self, key)!r}")

@@ -277,6 +277,7 @@ class Gateway:
         self._depth_loaded = False
         # Batches are processed without yielding to the other bands' agents: kept short.
         self.batch_size = 200
+        self.batch_wait_s = g.batch_wait_ms / 1000.0
 
         for band, topic in self.requests.items():
             self.app.agent(topic, name=f"admit-{band.value.lower()}", concurrency=1)(self._admit_agent)
@@ -300,7 +301,7 @@ class Gateway:
 
     async def _admit_agent(self, stream):
         loop = asyncio.get_running_loop()
-        async for events in stream.take_events(self.batch_size, within=0.005):
+        async for events in stream.take_events(self.batch_size, within=self.batch_wait_s):
             if not self._depth_loaded:
                 self._load_state()
             batch = self._admit_batch
