@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from pipeline.config import Settings  # noqa: E402
 from pipeline.models import Priority, Request, Status, TaskTier, now_ms  # noqa: E402
 from pipeline.serde import SchemaStore  # noqa: E402
-from pipeline.testing import FakeMessage  # noqa: E402
+from pipeline.testing import FakeMessage, avro_string, zigzag  # noqa: E402
 from pipeline.worker.backends.simulated import SimulatedBackend  # noqa: E402
 from pipeline.worker.loop import Worker  # noqa: E402
 
@@ -85,20 +85,7 @@ def _check_schema() -> None:
             raise SystemExit(f"bench/fuzz.py: request schema revision {revision} has fields {names}; update FIELDS")
 
 
-def zz(n: int) -> bytes:
-    """Zig-zag varint; values outside 64 bits wrap into over-long encodings on purpose."""
-    u = ((n << 1) ^ (n >> 63)) if -(1 << 63) <= n < (1 << 63) else abs(n) << 1
-    out = bytearray()
-    while u > 0x7F:
-        out.append((u & 0x7F) | 0x80)
-        u >>= 7
-    out.append(u)
-    return bytes(out)
-
-
-def _string(value: str | bytes) -> bytes:
-    data = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value
-    return zz(len(data)) + data
+zz, _string = zigzag, avro_string
 
 
 def _field(kind: str, value) -> bytes:

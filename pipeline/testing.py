@@ -46,3 +46,27 @@ def produce_request(producer, settings, codec, request, topic: str | None = None
         except BufferError:
             producer.poll(0.02)
     producer.poll(0)
+
+
+# -- raw Avro pieces, for writers of hostile messages (fuzzers, the hostile corpus) -----------------
+
+
+def zigzag(n: int) -> bytes:
+    """Avro's zig-zag varint of any Python int; beyond 64 bits it gives the over-long varints no
+    Avro writer produces (which is the point, for hostile input)."""
+    if -(1 << 63) <= n < (1 << 63):
+        u = (n << 1) ^ (n >> 63)
+    else:
+        u = n << 1 if n >= 0 else ((-n) << 1) - 1
+    out = bytearray()
+    while u > 0x7F:
+        out.append((u & 0x7F) | 0x80)
+        u >>= 7
+    out.append(u)
+    return bytes(out)
+
+
+def avro_string(value: str | bytes) -> bytes:
+    """Length-prefixed bytes; text is UTF-8, lone surrogates included (so hostile text encodes)."""
+    data = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value
+    return zigzag(len(data)) + data

@@ -34,6 +34,7 @@ from confluent_kafka import Producer
 from pipeline.dlq import header_dict
 from pipeline.models import Priority, Request, Response, Status, now_ms
 from pipeline.serde import Codec, SchemaStore, SerdeLimits
+from pipeline.testing import avro_string, zigzag
 from pipeline.topics import create_pipeline_topics
 from tests.integration.harness import committed_offsets, end_offsets, make_settings, read_topic, running_worker
 
@@ -68,20 +69,7 @@ class Raw(bytes):
     """Bytes written verbatim in place of a field's encoding."""
 
 
-def zz(n: int) -> bytes:
-    """Zig-zag varint of any Python int (values beyond 64 bits give over-long varints)."""
-    u = (n << 1) ^ (n >> 63) if -(1 << 63) <= n < (1 << 63) else (n << 1 if n >= 0 else ((-n) << 1) - 1)
-    out = bytearray()
-    while u > 0x7F:
-        out.append((u & 0x7F) | 0x80)
-        u >>= 7
-    out.append(u)
-    return bytes(out)
-
-
-def avro_string(value: str | bytes) -> bytes:
-    data = value.encode() if isinstance(value, str) else value
-    return zz(len(data)) + data
+zz = zigzag
 
 
 def _field(kind: str, value) -> bytes:

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import uuid
 
-import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import Settings
-from pipeline.errors import DecodeError, EncodeError
+from pipeline.errors import DecodeError
 from pipeline.models import Priority, Request, Status, TaskTier, now_ms
 from pipeline.serde import Codec, SchemaStore
-from pipeline.testing import FakeMessage
+from pipeline.testing import FakeMessage, avro_string, zigzag
 from pipeline.worker.backends.simulated import SimulatedBackend
 from pipeline.worker.loop import Worker
 
@@ -60,19 +59,7 @@ def test_field_lists_match_the_published_revisions():
 # -- a raw Avro writer that writes whatever it is given -------------------------------------------
 
 
-def zz(n: int) -> bytes:
-    u = (n << 1) ^ (n >> 63)
-    out = bytearray()
-    while u > 0x7F:
-        out.append((u & 0x7F) | 0x80)
-        u >>= 7
-    out.append(u)
-    return bytes(out)
-
-
-def _string(value: str | bytes) -> bytes:
-    data = value.encode() if isinstance(value, str) else value
-    return zz(len(data)) + data
+zz, _string = zigzag, avro_string
 
 
 def _field(kind: str, value) -> bytes:
