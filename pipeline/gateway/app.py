@@ -18,14 +18,13 @@ State lives in Faust tables backed by changelog topics, so it survives a restart
   crash) is processed again.
 
 Delivery: one agent per band (concurrency 1 each: faust#606 makes concurrent agents commit
-past in-flight events) takes events in batches; a batch's outputs go through librdkafka and are
-acknowledged by the broker, and its table writes are handed to Faust, before the batch's
-offsets are acknowledged.
+past in-flight events) takes events in batches; a batch's table writes are handed to Faust,
+and its events are acknowledged only when the broker has acknowledged every output of the
+batch (:mod:`pipeline.gateway.deliveries`), while the next batch is already being handled.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import weakref
@@ -36,6 +35,7 @@ from pathlib import Path
 import faust
 from confluent_kafka import Producer
 from faust.streams import _current_event
+from faust.types import TP
 from mode.utils.times import want_seconds
 
 from pipeline.cancellations import CancellationView
@@ -43,6 +43,7 @@ from pipeline.config import Settings
 from pipeline.dlq import dead_letter_headers
 from pipeline.errors import DecodeError, EncodeError, LlmqError
 from pipeline.gateway import faust_fixes
+from pipeline.gateway.deliveries import Deliveries, Outputs
 from pipeline.models import Priority, Response, Status
 from pipeline.observability.metrics import GatewayMetrics, reason_code
 from pipeline.policy.admission import Action, Admission, DegradePolicy
@@ -221,7 +222,8 @@ class Gateway:
         # offsets are acknowledged. Faust's own producer still writes the tables' changelogs.
         self.out = Producer(settings.kafka.producer_config(**{
             "client.id": f"{app_id}-out", "linger.ms": g.producer_linger_ms}))
-        self._delivery_errors: list = []
+        self._deliveries = Deliveries(self.out)
+        self._outputs: Outputs | None = None
 
         # -- topics --
         raw = dict(key_type=bytes, value_type=bytes, value_serializer="raw")
@@ -256,6 +258,8 @@ class Gateway:
         self._seen: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id → (source, clock_s)
         self._seen_horizon_s = 2.0 * horizon_s
 
+        for table in self.app.tables.values():
+            self._changelog_through_outputs(table)
         self._admit_batch = _Batch(self)
         self._completion_batch = _Batch(self)
         self._admitted = _Counts(self.admitted_t, self._admit_batch)
@@ -294,32 +298,38 @@ class Gateway:
 
             return view.bytes(generate_latest(gateway.metrics.registry), content_type="text/plain")
 
+        async def close_outputs(app, **kwargs):
+            gateway._deliveries.close()
+
+        self.app.on_before_shutdown.connect(close_outputs)
         self.app.page("/v1/queue")(queue_view)
         self.app.page("/metrics")(metrics_view)
 
     # -- agents ---------------------------------------------------------------------------
 
     async def _admit_agent(self, stream):
-        loop = asyncio.get_running_loop()
         async for events in stream.take_events(self.batch_size, within=self.batch_wait_s):
+            if self._deliveries.failed:
+                # The broker refused an output after librdkafka's retries: stop, so that a restart
+                # redoes everything from the last commit, which is before that output's batch.
+                exc = LlmqError(f"gateway outputs not delivered: {self._deliveries.failed[:3]}")
+                await self.app.crash(exc)
+                raise exc
             if not self._depth_loaded:
                 self._load_state()
             batch = self._admit_batch
+            outputs = self._outputs = self._deliveries.batch()
             seen_new: dict[int, list] = {}  # partition → [first event, [[id, source], ...]]
             for event in events:
                 batch.event = event
                 self._admit_one(event, seen_new)
-            # Table writes, then the outputs' delivery; the batch's offsets are acknowledged
-            # when this body returns, so only after both.
             batch.flush()
             for first, entries in seen_new.values():
                 _as_current(first)
                 self.seen_log[f"{first.message.partition}:{first.message.offset}"] = entries
-            self.out.poll(0)
-            remaining = await loop.run_in_executor(None, self.out.flush, 30.0)
-            if remaining or self._delivery_errors:
-                errors, self._delivery_errors = self._delivery_errors[:3], []
-                raise LlmqError(f"{remaining} outputs not delivered, errors: {errors}; the batch will be redone")
+            # The events stay unacknowledged until the broker has every output of the batch
+            # (acknowledged from the delivery thread); meanwhile the next batch goes ahead.
+            outputs.seal(events)
             yield len(events)
 
     async def _completions_agent(self, stream):
@@ -327,25 +337,46 @@ class Gateway:
             now = _now_ms()
             self._clock_s = now / 1000.0
             batch = self._completion_batch
+            outputs = self._outputs = self._deliveries.batch()
             for event in events:
                 batch.event = event
                 self._complete_one(event, now)
             batch.flush()
+            outputs.seal(events)
             yield len(events)
+
+    def _changelog_through_outputs(self, table) -> None:
+        """Send ``table``'s changelog records with the batch's other outputs, through librdkafka.
+
+        Through Faust's own producer (aiokafka) a changelog record costs a good part of a
+        millisecond of the event loop, and its buffer of 100 fills and stalls the agents; here
+        it costs microseconds, and the batch's events wait for it like for any other output,
+        so a committed offset is never ahead of the table state it produced.
+        """
+        original = table.send_changelog
+        topic = table.changelog_topic
+        name = topic.get_topic_name()
+
+        def persist_offset(msg):  # what Faust's _on_changelog_sent does, for a persistent store
+            table.data.set_persisted_offset(TP(msg.topic(), msg.partition()), msg.offset())
+
+        persist = None if self.cfg.store.startswith("memory://") else persist_offset
+
+        def send_changelog(partition, key, value, key_serializer=None, value_serializer=None):
+            outputs = self._outputs
+            if outputs is None or outputs.sealed or partition is None:
+                return original(partition, key, value, key_serializer, value_serializer)
+            k, headers = topic.prepare_key(key, key_serializer or table.key_serializer, None, {})
+            v, headers = topic.prepare_value(value, value_serializer or table.value_serializer, None, headers)
+            outputs.produce(name, v, k, headers or None, partition=partition, then=persist)
+            return _Sent(partition)
+
+        table.send_changelog = send_changelog
 
     # -- one request ----------------------------------------------------------------------
 
     def _produce(self, topic: str, value: bytes, key: bytes | None, headers=None) -> None:
-        while True:
-            try:
-                self.out.produce(topic, value, key, headers=headers, on_delivery=self._on_delivery)
-                return
-            except BufferError:
-                self.out.poll(0.05)
-
-    def _on_delivery(self, err, msg) -> None:
-        if err is not None:
-            self._delivery_errors.append(f"{msg.topic()}: {err}")
+        self._outputs.produce(topic, value, key, headers)
 
     def _admit_one(self, event, seen_new: dict) -> None:
         msg = event.message
@@ -533,6 +564,16 @@ class Gateway:
         self.ensure_internal_topics()
         worker = faust.Worker(self.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
         worker.execute_from_commandline()
+
+
+class _Sent:
+    """What Faust's table code reads back from ``send_changelog``: the partition written to."""
+
+    __slots__ = ("message", "partition")
+
+    def __init__(self, partition: int):
+        self.message = self
+        self.partition = partition
 
 
 def _as_current(event) -> None:

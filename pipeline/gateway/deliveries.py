@@ -1,0 +1,122 @@
+"""Acknowledge a gateway batch's source events once the broker has every output of the batch.
+
+The gateway's outputs (dispatched requests, rejections, dead letters) go through librdkafka.
+Waiting for a batch's deliveries before taking the next batch left the event loop idle for a
+broker round trip per batch, and Faust's ``take_events`` does not fill its buffer while a batch
+is being handled, so batches stayed small. Instead, a batch's events get one extra reference
+(so ``take_events`` cannot acknowledge them), the next batch goes ahead, and a thread that
+polls the producer drops that reference when the last output of the batch is acknowledged.
+Faust commits only contiguously acknowledged offsets, and before a rebalance or a shutdown
+it waits for every event to be acknowledged, so an output never lost means an offset never
+committed too early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from confluent_kafka import Producer
+
+log = logging.getLogger(__name__)
+
+
+class Deliveries:
+    """The producer's delivery reports, served from one thread, and the batches waiting on them."""
+
+    def __init__(self, producer: Producer, poll_s: float = 0.05):
+        self.producer = producer
+        self.poll_s = poll_s
+        self.failed: list[str] = []  # "topic: error" of outputs the broker refused
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def batch(self) -> "Outputs":
+        """A new batch's outputs (called from the event loop: its events are acknowledged there)."""
+        if self._thread is None:
+            self.loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._serve, name="gateway-deliveries", daemon=True)
+            self._thread.start()
+        return Outputs(self)
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            self.producer.poll(self.poll_s)
+
+    def close(self, timeout: float = 30.0) -> int:
+        """Deliver what is queued (reports included), stop the thread; returns what is still queued."""
+        remaining = self.producer.flush(timeout)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if remaining:
+            log.error("%d gateway outputs not delivered at shutdown: their requests will be admitted again",
+                      remaining)
+        return remaining
+
+
+class Outputs:
+    """What one batch produced: its events are acknowledged when all of it is delivered."""
+
+    __slots__ = ("deliveries", "produced", "delivered", "events", "sealed", "lock")
+
+    def __init__(self, deliveries: Deliveries):
+        self.deliveries = deliveries
+        self.produced = 0
+        self.delivered = 0
+        self.events: list = []
+        self.sealed = False
+        self.lock = threading.Lock()
+
+    def produce(self, topic: str, value: bytes, key: bytes | None, headers=None, partition: int | None = None,
+                then=None) -> None:
+        """Queue one output; ``then(msg)``, if given, runs in the delivery thread once it is delivered."""
+        producer = self.deliveries.producer
+        self.produced += 1
+        on_delivery = self._on_delivery if then is None else (
+            lambda err, msg: (err is None and then(msg), self._on_delivery(err, msg)))
+        extra = {} if partition is None else {"partition": partition}
+        while True:
+            try:
+                producer.produce(topic, value, key, headers=headers, on_delivery=on_delivery, **extra)
+                return
+            except BufferError:
+                producer.poll(0.05)  # the local queue is full: wait for deliveries to make room
+
+    def seal(self, events: list) -> None:
+        """No more outputs; hold ``events`` (unacknowledged) until the outputs are delivered."""
+        if not self.produced:
+            return  # nothing to wait for: take_events acknowledges them
+        for event in events:
+            event.message.incref()
+        with self.lock:
+            self.events = events
+            self.sealed = True
+            done = self.delivered == self.produced
+        if done:
+            self._release()
+
+    def _on_delivery(self, err, msg) -> None:
+        if err is not None:
+            # Never released: the batch's offsets are not committed, and the agent stops.
+            self.deliveries.failed.append(f"{msg.topic()}: {err}")
+            return
+        with self.lock:
+            self.delivered += 1
+            done = self.sealed and self.delivered == self.produced
+        if done:
+            self._release()
+
+    def _release(self) -> None:
+        loop = self.deliveries.loop
+        if threading.get_ident() == getattr(loop, "_thread_id", None):
+            _ack(self.events)
+        else:
+            loop.call_soon_threadsafe(_ack, self.events)
+
+
+def _ack(events: list) -> None:
+    for event in events:
+        event.ack()
