@@ -309,9 +309,9 @@ class GatewaySettings:
     default_drain_rate: float = 0.0
     #: How long a request id is remembered, so a re-submitted id is answered once.
     dedupe_horizon_ms: int = 120_000
-    #: How long a batch of requests may wait to fill before it is admitted: longer batches
-    #: amortise the per-batch work (deliveries, table writes), at up to this much latency.
-    batch_wait_ms: int = 5
+    #: The most requests admitted in one go. A batch is what has arrived, up to this many (it
+    #: never waits to fill); table writes are made once per key and batch.
+    batch_size: int = 200
     #: aiokafka: the longest a fetch waits for data (its default, 500 ms, dominates latency).
     fetch_max_wait_ms: int = 5
     producer_linger_ms: int = 1
@@ -388,14 +388,13 @@ class GatewaySettings:
                                                                "requests are recognised by id instead")
         if not self.store.startswith(("memory://", "rocksdb://")):
             raise ConfigError("gateway.store", "must be memory:// or rocksdb://")
-        for key in ("max_timeout_ms", "urgent_eta_factor"):
+        for key in ("max_timeout_ms", "urgent_eta_factor", "batch_size"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"gateway.{key}", f"must be > 0, got {getattr(self, key)!r}")
         for key in ("high_load", "degrade_load"):
             if not 0 < getattr(self, key) <= 10:
                 raise ConfigError(f"gateway.{key}", "must be a fraction of capacity, > 0 (0.8 = 80%)")
         for key in ("urgent_ms", "simple_prompt_tokens", "simple_max_tokens", "default_drain_rate", "dedupe_horizon_ms",
-                    "batch_wait_ms",
                     "fetch_max_wait_ms", "producer_linger_ms"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"gateway.{key}", f"must be >= 0, got {getattr(self, key)!r}")

@@ -280,8 +280,7 @@ class Gateway:
         self.cancellations: CancellationView | None = None
         self._depth_loaded = False
         # Batches are processed without yielding to the other bands' agents: kept short.
-        self.batch_size = 200
-        self.batch_wait_s = g.batch_wait_ms / 1000.0
+        self.batch_size = g.batch_size
 
         for band, topic in self.requests.items():
             self.app.agent(topic, name=f"admit-{band.value.lower()}", concurrency=1)(self._admit_agent)
@@ -308,7 +307,7 @@ class Gateway:
     # -- agents ---------------------------------------------------------------------------
 
     async def _admit_agent(self, stream):
-        async for events in stream.take_events(self.batch_size, within=self.batch_wait_s):
+        async for events in _batches(stream, self.batch_size):
             if self._deliveries.failed:
                 # The broker refused an output after librdkafka's retries: stop, so that a restart
                 # redoes everything from the last commit, which is before that output's batch.
@@ -327,13 +326,12 @@ class Gateway:
             for first, entries in seen_new.values():
                 _as_current(first)
                 self.seen_log[f"{first.message.partition}:{first.message.offset}"] = entries
-            # The events stay unacknowledged until the broker has every output of the batch
-            # (acknowledged from the delivery thread); meanwhile the next batch goes ahead.
+            # The events are acknowledged when the broker has every output of the batch
+            # (from the delivery thread); meanwhile the next batch goes ahead.
             outputs.seal(events)
-            yield len(events)
 
     async def _completions_agent(self, stream):
-        async for events in stream.take_events(self.batch_size, within=0.01):
+        async for events in _batches(stream, self.batch_size):
             now = _now_ms()
             self._clock_s = now / 1000.0
             batch = self._completion_batch
@@ -343,7 +341,6 @@ class Gateway:
                 self._complete_one(event, now)
             batch.flush()
             outputs.seal(events)
-            yield len(events)
 
     def _changelog_through_outputs(self, table) -> None:
         """Send ``table``'s changelog records with the batch's other outputs, through librdkafka.
@@ -564,6 +561,24 @@ class Gateway:
         self.ensure_internal_topics()
         worker = faust.Worker(self.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
         worker.execute_from_commandline()
+
+
+async def _batches(stream, max_size: int):
+    """The stream's events in batches of what has arrived: a batch ends at ``max_size`` or when
+    nothing more is waiting in the agent's queue, so it grows with the load and never waits.
+
+    Acknowledgement is left to the caller (the batch's outputs decide when). Faust's
+    ``take_events`` instead waits a fixed time for each batch, wakes idle agents as often,
+    and acknowledges each batch when the next is asked for.
+    """
+    stream.enable_acks = False
+    queue = stream.channel.queue
+    batch: list = []
+    async for _ in stream:
+        batch.append(stream.current_event)
+        if len(batch) >= max_size or queue.empty():
+            yield batch
+            batch = []
 
 
 class _Sent:

@@ -1,14 +1,12 @@
 """Acknowledge a gateway batch's source events once the broker has every output of the batch.
 
-The gateway's outputs (dispatched requests, rejections, dead letters) go through librdkafka.
-Waiting for a batch's deliveries before taking the next batch left the event loop idle for a
-broker round trip per batch, and Faust's ``take_events`` does not fill its buffer while a batch
-is being handled, so batches stayed small. Instead, a batch's events get one extra reference
-(so ``take_events`` cannot acknowledge them), the next batch goes ahead, and a thread that
-polls the producer drops that reference when the last output of the batch is acknowledged.
-Faust commits only contiguously acknowledged offsets, and before a rebalance or a shutdown
-it waits for every event to be acknowledged, so an output never lost means an offset never
-committed too early.
+The gateway's outputs (dispatched requests, rejections, dead letters, table changelogs) go
+through librdkafka. Waiting for a batch's deliveries before taking the next batch left the event
+loop idle for a broker round trip per batch. Instead the next batch goes ahead, and a thread
+that polls the producer acknowledges a batch's events (in the event loop) when the last output
+of the batch is delivered. Faust commits only contiguously acknowledged offsets, and before a
+rebalance or a shutdown it waits until every event it handed out is acknowledged, so an offset
+is never committed ahead of an output.
 """
 
 from __future__ import annotations
@@ -86,11 +84,7 @@ class Outputs:
                 producer.poll(0.05)  # the local queue is full: wait for deliveries to make room
 
     def seal(self, events: list) -> None:
-        """No more outputs; hold ``events`` (unacknowledged) until the outputs are delivered."""
-        if not self.produced:
-            return  # nothing to wait for: take_events acknowledges them
-        for event in events:
-            event.message.incref()
+        """No more outputs: acknowledge ``events`` once the outputs are delivered."""
         with self.lock:
             self.events = events
             self.sealed = True

@@ -1,4 +1,4 @@
-"""Two adjustments to faust-streaming 0.15.3, applied once before the gateway app starts.
+"""Three adjustments to faust-streaming 0.15.3, applied once before the gateway app starts.
 
 1. **Seek before resume after table recovery.** ``Recovery.on_recovery_completed`` resumes the
    source partitions and only then seeks them to their committed offsets, while the fetcher
@@ -9,16 +9,22 @@
 2. **A short fetch wait.** faust hard-codes aiokafka's ``fetch_max_wait_ms`` to 1500 ms; after
    every seek, resume or rebalance the first fetch then idles that long. The transport below
    sets it from the gateway settings (``kafka+llmq://`` URLs select it).
+3. **Delivering a fetched message inline.** faust's fetcher wraps each message's delivery to
+   the agents in ``wait_first`` (four tasks per message); the consumer below runs it inline
+   when it does not need to wait, which took the gateway from ~1,000 to ~4,500 admitted/s here
+   and lets agents see a whole fetch at once instead of one message per loop turn.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 
 from faust.tables.recovery import Recovery
 from faust.transport import drivers
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
+_EVENT_WAIT = asyncio.Event.wait.__code__  # the consumer's suspend_flow is an asyncio.Event
 FETCH_MAX_WAIT_MS = 5  # set by the gateway from its settings before the app starts
 _applied = False
 
@@ -68,6 +74,53 @@ class _ShortFetchThread(faust_aiokafka.AIOKafkaConsumerThread):
 class _ShortFetchConsumer(faust_aiokafka.Consumer):
     def _new_consumer_thread(self):
         return _ShortFetchThread(self, loop=self.loop, beacon=self.beacon)
+
+    async def wait_first(self, *coros, timeout=None):
+        """faust hands every fetched message to its streams as ``wait_first(deliver(message),
+        suspend_flow.wait())``: four tasks and an ``asyncio.wait`` per message, and a trip
+        through the event loop that lets an agent wake for each single message. Delivery
+        almost never has to wait (it puts the event in the agent's queue), so it is first run
+        inline; only if it does wait (a full queue) does it continue as faust would run it."""
+        if (len(coros) == 2 and timeout is None and getattr(coros[1], "cr_code", None) is _EVENT_WAIT
+                and not self.suspend_flow.is_set()):
+            deliver, suspended = coros
+            try:
+                pending = deliver.send(None)
+            except StopIteration:
+                suspended.close()
+                return None
+            coros = (_Continue(deliver, pending).run(), suspended)
+        return await super().wait_first(*coros, timeout=timeout)
+
+
+class _Continue:
+    """Awaitable that resumes a coroutine which has already run up to its first suspension
+    (``first``: what it yielded there, handed on to the task that now drives it)."""
+
+    def __init__(self, coro, first):
+        self.coro, self.first = coro, first
+
+    async def run(self):
+        return await self
+
+    def __await__(self):
+        coro, yielded = self.coro, self.first
+        while True:
+            try:
+                sent = yield yielded
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # thrown into the task (e.g. cancellation): pass it on
+                try:
+                    yielded = coro.throw(exc)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    yielded = coro.send(sent)
+                except StopIteration as stop:
+                    return stop.value
 
 
 class ShortFetchTransport(faust_aiokafka.Transport):
