@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections import OrderedDict, deque
+from collections import OrderedDict
 import logging
 import os
 import signal
@@ -38,6 +38,7 @@ from pipeline.policy.validation import validate_request
 from pipeline.serde import Codec
 from pipeline.serde.factory import codec_for
 from pipeline.worker.backends.base import Backend, Completion
+from pipeline.worker.backlog import PartitionQueues
 from pipeline.worker.offsets import OffsetTracker, decode_done
 
 log = logging.getLogger(__name__)
@@ -98,14 +99,15 @@ class Worker:
         self._stop = threading.Event()
         self._paused = False
         self._assignment_changed = False
-        # Priority-aware intake: taken messages wait in one queue per band; the scheduler
-        # picks the band to serve next; a band whose queue is full has its partitions paused,
-        # so librdkafka's shared fetch queue never holds higher-band work behind it.
+        # Priority-aware intake: taken messages wait in one queue per band (served partition
+        # by partition in turn: tenants are spread over partitions); the scheduler picks the
+        # band to serve next; a partition whose queue is full is paused, so librdkafka's
+        # shared fetch queue never holds higher-band work behind it.
         self._rank = {settings.topics.request_topic(p): p.rank for p in Priority}
         self._rank.update({f"{settings.topics.prefix}.dispatch.{p.value.lower()}": p.rank for p in Priority})
-        self._backlog: list[deque] = [deque() for _ in Priority]
-        self._backlog_cap = max(2 * self.cfg.max_inflight, 64)
-        self._paused_bands: set[int] = set()
+        self._backlog = [PartitionQueues() for _ in Priority]
+        self._backlog_cap = max(2 * self.cfg.max_inflight, 64)  # per partition
+        self._paused_parts: set[tuple[str, int]] = set()
         self._scheduler = BandScheduler([self.cfg.band_min_share.get(p.value, 0.0) for p in Priority])
         self._fatal: KafkaOperationError | None = None
         self._last_commit = time.monotonic()
@@ -154,13 +156,13 @@ class Worker:
     def _reset(self) -> None:
         self._restart = False
         self.tracker = OffsetTracker()
-        self._backlog = [deque() for _ in Priority]
+        self._backlog = [PartitionQueues() for _ in Priority]
         self._ready.clear()
         self._done_before.clear()
         self._tasks.clear()
         self._task_of.clear()
         self._seen.clear()
-        self._paused_bands.clear()
+        self._paused_parts.clear()
         self._paused = False
 
     async def _session(self) -> None:
@@ -235,7 +237,7 @@ class Worker:
             for request_id in self.cancellations.poll():
                 self._cancel_in_flight(request_id)
             dispatched = dispatch() if now >= hold_until else 0
-            self._pause_full_bands()
+            self._resume_drained()
             producer.poll(0)
             if now - self._last_commit >= commit_every:
                 self._commit(asynchronous=True)
@@ -272,7 +274,8 @@ class Worker:
                 self.stats.skipped_done += 1
                 self.tracker.finished(tp, offset)
                 return
-        self._backlog[self._rank.get(topic, 4)].append(msg)
+        if self._backlog[self._rank.get(topic, 4)].append(tp, msg) >= self._backlog_cap:
+            self._set_paused(tp, True)
 
     def _dispatch(self) -> int:
         """Start queued requests, highest band first (minimum shares aside), while slots are free."""
@@ -288,24 +291,26 @@ class Worker:
             n += 1
         return n
 
-    def _pause_full_bands(self) -> None:
-        cap = self._backlog_cap
-        for band, queue in enumerate(self._backlog):
-            if band not in self._paused_bands and len(queue) >= cap:
-                self._set_band_paused(band, True)
-            elif band in self._paused_bands and len(queue) <= cap // 2 and not self._paused:
-                self._set_band_paused(band, False)
+    def _resume_drained(self) -> None:
+        """Resume the paused partitions whose queue is down to half its cap."""
+        if not self._paused_parts or self._paused:
+            return
+        half, backlog, rank = self._backlog_cap // 2, self._backlog, self._rank
+        for tp in [tp for tp in self._paused_parts if backlog[rank.get(tp[0], 4)].depth(tp) <= half]:
+            self._set_paused(tp, False)
 
-    def _set_band_paused(self, band: int, paused: bool) -> None:
-        parts = [tp for tp in self.consumer.assignment() if self._rank.get(tp.topic, 4) == band]
+    def _set_paused(self, tp: tuple[str, int], paused: bool) -> None:
+        if paused == (tp in self._paused_parts):
+            return
         if paused:
-            self._paused_bands.add(band)
-            if parts:
-                self.consumer.pause(parts)
+            self._paused_parts.add(tp)
         else:
-            self._paused_bands.discard(band)
-            if parts:
-                self.consumer.resume(parts)
+            self._paused_parts.discard(tp)
+        # Only an assigned partition has a flag to set; one assigned later gets it from
+        # _reapply_pauses.
+        if self._paused or not any(a.topic == tp[0] and a.partition == tp[1] for a in self.consumer.assignment()):
+            return
+        (self.consumer.pause if paused else self.consumer.resume)([TopicPartition(*tp)])
 
     def _reapply_pauses(self) -> None:
         """Make librdkafka's pause flags match ours for whatever is assigned now.
@@ -322,7 +327,7 @@ class Worker:
             return
         paused, running = [], []
         for tp in assignment:
-            (paused if self._rank.get(tp.topic, 4) in self._paused_bands else running).append(tp)
+            (paused if (tp.topic, tp.partition) in self._paused_parts else running).append(tp)
         if paused:
             self.consumer.pause(paused)
         if running:
@@ -347,7 +352,7 @@ class Worker:
         """Take one message and process it at once (no band scheduling): tests and tools."""
         self._take(msg)
         if msg.error() is None:
-            self._backlog[self._rank.get(msg.topic(), 4)].pop()
+            self._backlog[self._rank.get(msg.topic(), 4)].pop_last((msg.topic(), msg.partition()))
             self._process(msg)
 
     def _process(self, msg) -> None:
@@ -729,9 +734,9 @@ class Worker:
 
     def _drop_queued(self, partitions: set) -> None:
         # Taken but not started: uncommitted, so the partitions' next owner runs them.
-        for i, queue in enumerate(self._backlog):
-            if queue:
-                self._backlog[i] = deque(m for m in queue if (m.topic(), m.partition()) not in partitions)
+        for queue in self._backlog:
+            queue.drop(partitions)
+        self._paused_parts -= set(partitions)
 
     async def _drain(self, grace_s: float) -> None:
         """Stop fetching, let in-flight calls finish within the grace period, hand back the rest."""

@@ -1,0 +1,72 @@
+"""A band's taken-but-not-started requests: one FIFO per partition, served round-robin. Pure.
+
+The gateway keys dispatch topics by tenant, so partitions stand for groups of tenants
+(stochastic fair queuing). Serving a band's partitions in turn, rather than in fetch order,
+keeps a tenant with a deep backlog in one partition from delaying a quiet tenant in another:
+the quiet one waits for at most one request per busy partition, not for the whole backlog.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Hashable, Iterable
+
+
+class PartitionQueues:
+    def __init__(self):
+        self._queues: dict[Hashable, deque] = {}
+        self._turn: deque = deque()  # partitions with work, the next to serve first
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bool__(self) -> bool:
+        return self._size > 0
+
+    def depth(self, partition: Hashable) -> int:
+        queue = self._queues.get(partition)
+        return len(queue) if queue is not None else 0
+
+    def append(self, partition: Hashable, item) -> int:
+        """Queue ``item``; returns the partition's depth."""
+        queue = self._queues.get(partition)
+        if queue is None:
+            queue = self._queues[partition] = deque()
+        if not queue:
+            self._turn.append(partition)
+        queue.append(item)
+        self._size += 1
+        return len(queue)
+
+    def popleft(self):
+        """The oldest item of the partition whose turn it is (IndexError when empty)."""
+        partition = self._turn[0]
+        queue = self._queues[partition]
+        item = queue.popleft()
+        self._size -= 1
+        if queue:
+            self._turn.rotate(-1)
+        else:
+            self._turn.popleft()
+        return item
+
+    def pop_last(self, partition: Hashable):
+        """Take back the item just appended to ``partition``."""
+        queue = self._queues[partition]
+        item = queue.pop()
+        self._size -= 1
+        if not queue:
+            self._turn.remove(partition)
+        return item
+
+    def drop(self, partitions: Iterable[Hashable]) -> int:
+        """Forget everything queued for ``partitions``; returns how many items."""
+        dropped = 0
+        for partition in partitions:
+            queue = self._queues.pop(partition, None)
+            if queue:
+                dropped += len(queue)
+                self._turn.remove(partition)
+        self._size -= dropped
+        return dropped
