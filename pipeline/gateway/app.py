@@ -25,6 +25,7 @@ batch (:mod:`pipeline.gateway.deliveries`), while the next batch is already bein
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import weakref
@@ -260,6 +261,15 @@ class Gateway:
 
         for table in self.app.tables.values():
             self._changelog_through_outputs(table)
+        self._intakes: set[_Intake] = set()
+        flow = self.app.flow_control
+        clear_queues = flow.clear
+
+        def clear_then_flush() -> None:
+            clear_queues()
+            self._on_flow_cleared()
+
+        flow.clear = clear_then_flush
         self._admit_batch = _Batch(self)
         self._completion_batch = _Batch(self)
         self._admitted = _Counts(self.admitted_t, self._admit_batch)
@@ -307,40 +317,62 @@ class Gateway:
     # -- agents ---------------------------------------------------------------------------
 
     async def _admit_agent(self, stream):
-        async for events in _batches(stream, self.batch_size):
-            if self._deliveries.failed:
-                # The broker refused an output after librdkafka's retries: stop, so that a restart
-                # redoes everything from the last commit, which is before that output's batch.
-                exc = LlmqError(f"gateway outputs not delivered: {self._deliveries.failed[:3]}")
-                await self.app.crash(exc)
-                raise exc
-            if not self._depth_loaded:
-                self._load_state()
-            batch = self._admit_batch
-            outputs = self._outputs = self._deliveries.batch()
-            seen_new: dict[int, list] = {}  # partition → [first event, [[id, source], ...]]
-            for event in events:
-                batch.event = event
-                self._admit_one(event, seen_new)
-            batch.flush()
-            for first, entries in seen_new.values():
-                _as_current(first)
-                self.seen_log[f"{first.message.partition}:{first.message.offset}"] = entries
-            # The events are acknowledged when the broker has every output of the batch
-            # (from the delivery thread); meanwhile the next batch goes ahead.
-            outputs.seal(events)
+        await self._take(stream, self._admit_events)
 
     async def _completions_agent(self, stream):
-        async for events in _batches(stream, self.batch_size):
-            now = _now_ms()
-            self._clock_s = now / 1000.0
-            batch = self._completion_batch
-            outputs = self._outputs = self._deliveries.batch()
-            for event in events:
-                batch.event = event
-                self._complete_one(event, now)
-            batch.flush()
-            outputs.seal(events)
+        await self._take(stream, self._complete_events)
+
+    async def _take(self, stream, handle) -> None:
+        intake = _Intake(stream, self.batch_size, handle)
+        self._intakes.add(intake)
+        try:
+            await intake.run()
+        finally:
+            self._intakes.discard(intake)
+
+    def _on_flow_cleared(self) -> None:
+        # faust empties the agents' queues before a rebalance or a shutdown and then waits for
+        # every event it handed out to be acknowledged; a batch still filling would wait for
+        # events that were just thrown away.
+        for intake in list(self._intakes):
+            try:
+                intake.flush()
+            except Exception:  # noqa: BLE001 (the rebalance must go on; the events stay unacknowledged)
+                log.exception("handling a batch before a rebalance failed; it will be redone")
+
+    def _admit_events(self, events: list) -> None:
+        if self._deliveries.failed:
+            # The broker refused an output after librdkafka's retries: stop, so that a restart
+            # redoes everything from the last commit, which is before that output's batch.
+            exc = LlmqError(f"gateway outputs not delivered: {self._deliveries.failed[:3]}")
+            asyncio.ensure_future(self.app.crash(exc))
+            raise exc
+        if not self._depth_loaded:
+            self._load_state()
+        batch = self._admit_batch
+        outputs = self._outputs = self._deliveries.batch()
+        seen_new: dict[int, list] = {}  # partition → [first event, [[id, source], ...]]
+        for event in events:
+            batch.event = event
+            self._admit_one(event, seen_new)
+        batch.flush()
+        for first, entries in seen_new.values():
+            _as_current(first)
+            self.seen_log[f"{first.message.partition}:{first.message.offset}"] = entries
+        # The events are acknowledged when the broker has every output of the batch (from the
+        # delivery thread); meanwhile the next batch goes ahead.
+        outputs.seal(events)
+
+    def _complete_events(self, events: list) -> None:
+        now = _now_ms()
+        self._clock_s = now / 1000.0
+        batch = self._completion_batch
+        outputs = self._outputs = self._deliveries.batch()
+        for event in events:
+            batch.event = event
+            self._complete_one(event, now)
+        batch.flush()
+        outputs.seal(events)
 
     def _changelog_through_outputs(self, table) -> None:
         """Send ``table``'s changelog records with the batch's other outputs, through librdkafka.
@@ -563,22 +595,35 @@ class Gateway:
         worker.execute_from_commandline()
 
 
-async def _batches(stream, max_size: int):
-    """The stream's events in batches of what has arrived: a batch ends at ``max_size`` or when
-    nothing more is waiting in the agent's queue, so it grows with the load and never waits.
+class _Intake:
+    """An agent's events, handled in batches of what has arrived.
 
-    Acknowledgement is left to the caller (the batch's outputs decide when). Faust's
-    ``take_events`` instead waits a fixed time for each batch, wakes idle agents as often,
-    and acknowledges each batch when the next is asked for.
+    A batch ends at ``max_size`` or when nothing more is waiting in the agent's queue, so it
+    grows with the load and never waits to fill (faust's ``take_events`` waits a fixed time for
+    each batch and wakes idle agents as often). ``handle(events)`` is synchronous and makes
+    its own arrangements to acknowledge the events.
     """
-    stream.enable_acks = False
-    queue = stream.channel.queue
-    batch: list = []
-    async for _ in stream:
-        batch.append(stream.current_event)
-        if len(batch) >= max_size or queue.empty():
-            yield batch
-            batch = []
+
+    def __init__(self, stream, max_size: int, handle):
+        self.stream, self.max_size, self.handle = stream, max_size, handle
+        self.held: list = []
+
+    async def run(self) -> None:
+        stream = self.stream
+        stream.enable_acks = False
+        queue = stream.channel.queue
+        flow = stream.app.flow_control
+        async for _ in stream:
+            # self.held, not a local: flush() may have handed it off while this waited.
+            self.held.append(stream.current_event)
+            if len(self.held) >= self.max_size or queue.empty() or not flow.is_active():
+                self.flush()
+
+    def flush(self) -> None:
+        """Handle what is held now (also called while the agent waits for its next event)."""
+        if self.held:
+            events, self.held = self.held, []
+            self.handle(events)
 
 
 class _Sent:
