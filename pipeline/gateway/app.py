@@ -96,11 +96,74 @@ class _Batch:
         clock = g._clock_s
         self.clean.clear()
         for write, value, event, clock_s in self.dirty.values():
-            _as_current(event)
             g._clock_s = clock_s
-            write(value)
+            write(value, event)
         g._clock_s = clock
         self.dirty.clear()
+
+
+class _ViaFaust:
+    """A table read and written through Faust's table API (sensors, per-write serialisation)."""
+
+    def __init__(self, table):
+        self.table = table  # a Table, or a WindowWrapper whose window follows the gateway's clock
+        self.windowed = hasattr(table, "table")
+        self.items = (table.table if self.windowed else table).items
+
+    def get(self, key):
+        if self.windowed:
+            return self.table[key].value()
+        return self.table[key]
+
+    def set(self, key, value, event) -> None:
+        _as_current(event)
+        self.table[key] = value
+
+
+class _Direct:
+    """A table read and written directly: its (memory) store, and changelog records, encoded as
+    Faust encodes them, sent with the batch's other outputs; a windowed table's key is the
+    window holding the gateway's clock, registered for expiry as Faust does it. Faust's own
+    path (a sensor call per read and write, the partition looked up from the current event,
+    the key serialised every time) was most of the gateway's table time."""
+
+    def __init__(self, table, gateway: "Gateway"):
+        self.gateway = gateway
+        self.table = t = getattr(table, "table", table)
+        self.window = t.window
+        self.store = t.data
+        self.items = t.items
+        self.default = t.default
+        topic = t.changelog_topic
+        self.topic_name = topic.get_topic_name()
+        self._encode_key = lambda k: topic.prepare_key(k, t.key_serializer, None, {})[0]
+        self._encode_value = lambda v: topic.prepare_value(v, t.value_serializer, None, {})[0]
+        self._key_bytes: dict = {}
+
+    def _full_key(self, key):
+        return key if self.window is None else (key, self.window.current(self.gateway._clock_s))
+
+    def get(self, key):
+        try:
+            return self.store[self._full_key(key)]
+        except KeyError:
+            return self.default() if self.default is not None else None
+
+    def set(self, key, value, event) -> None:
+        full = self._full_key(key)
+        self.store[full] = value
+        if self.window is None:
+            encoded = self._key_bytes.get(full)
+            if encoded is None:
+                if len(self._key_bytes) > 200_000:
+                    self._key_bytes.clear()
+                encoded = self._key_bytes[full] = self._encode_key(full)
+        else:
+            encoded = self._encode_key(full)
+        partition = event.message.partition
+        self.gateway._outputs.produce(self.topic_name, self._encode_value(value), encoded, partition=partition)
+        if self.window is not None and self.window.expires is not None:
+            self.table._maybe_set_key_ttl(full, partition)
 
 
 class _WindowedCounts(MutableMapping):
@@ -131,13 +194,13 @@ class _WindowedCounts(MutableMapping):
         name, who = self._split(key)
         table = self.tables[name]
         # Keyed by the full key (it names the window) so a boundary inside a batch is exact.
-        value = self.batch.get(table, key, lambda: table[who].value())
+        value = self.batch.get(table, key, lambda: table.get(who))
         return default if value is None else value
 
     def __setitem__(self, key, value):
         name, who = self._split(key)
         table = self.tables[name]
-        self.batch.set(table, key, value, lambda v: table.__setitem__(who, v))
+        self.batch.set(table, key, value, lambda v, event: table.set(who, v, event))
 
     def __delitem__(self, key):  # windows expire by themselves
         raise NotImplementedError
@@ -150,20 +213,21 @@ class _WindowedCounts(MutableMapping):
 
 
 class _Counts:
-    """A plain table behind the batch's write-back."""
+    """A plain table (default 0) behind the batch's write-back."""
 
     def __init__(self, table, batch: _Batch):
         self.table, self.batch = table, batch
 
     def get(self, key, default=0):
-        return self.batch.get(self.table, key, lambda: self.table.get(key, default))
+        value = self.batch.get(self.table, key, lambda: self.table.get(key))
+        return default if value is None else value
 
     def __getitem__(self, key):
         return self.get(key)
 
     def __setitem__(self, key, value):
         table = self.table
-        self.batch.set(table, key, value, lambda v: table.__setitem__(key, v))
+        self.batch.set(table, key, value, lambda v, event: table.set(key, v, event))
 
     def add(self, key, n: int = 1) -> None:
         self[key] = (self.get(key) or 0) + n
@@ -280,16 +344,19 @@ class Gateway:
             self._on_flow_cleared()
 
         flow.clear = clear_then_flush
+        access = (lambda table: _Direct(table, self)) if g.store.startswith("memory://") else _ViaFaust
+        rate_access = {name: access(table) for name, table in self.rate_tables.items()}
+        admitted, finished, self._seen_access = access(self.admitted_t), access(self.finished_t), access(self.seen_log)
         self._admit_batch = _Batch(self)
         self._completion_batch = _Batch(self)
-        self._admitted = _Counts(self.admitted_t, self._admit_batch)
-        self._finished_in_admit = _Counts(self.finished_t, self._admit_batch)  # read only there
-        self._finished = _Counts(self.finished_t, self._completion_batch)
+        self._admitted = _Counts(admitted, self._admit_batch)
+        self._finished_in_admit = _Counts(finished, self._admit_batch)  # read only there
+        self._finished = _Counts(finished, self._completion_batch)
         caps = g.band_ints("queue_caps")
         self.queues = QueueModel([caps.get(p.value, 0) for p in Priority], default_rate_per_s=g.default_drain_rate)
         self.admission = Admission(
             g.priority_policy(),
-            RateLimiter(default_limits, tenant_limits, counts=_WindowedCounts(self.rate_tables, self._admit_batch)),
+            RateLimiter(default_limits, tenant_limits, counts=_WindowedCounts(rate_access, self._admit_batch)),
             FairnessQuotas(g.band_ints("tenant_outstanding"), floor=Priority(g.demote_floor),
                            tenant_caps=dict(g.tenant_outstanding_overrides),
                            counts=_Outstanding(self._admitted, self._finished_in_admit)),
@@ -367,8 +434,7 @@ class Gateway:
             self._admit_one(event, seen_new)
         batch.flush()
         for first, entries in seen_new.values():
-            _as_current(first)
-            self.seen_log[f"{first.message.partition}:{first.message.offset}"] = entries
+            self._seen_access.set(f"{first.message.partition}:{first.message.offset}", entries, first)
         # The events are acknowledged when the broker has every output of the batch (from the
         # delivery thread); meanwhile the next batch goes ahead.
         outputs.seal(events)

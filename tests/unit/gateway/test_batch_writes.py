@@ -1,54 +1,59 @@
-"""The gateway's per-batch table writes: reads see the batch's own writes, each key is written once."""
+"""The gateway's per-batch table access: reads see the batch's own writes, each key is read
+once and written once per batch, and the direct table path writes what Faust would."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pipeline.gateway import app as gateway_app
-from pipeline.gateway.app import _Batch, _Counts, _Outstanding, _WindowedCounts
+import faust
+
+from pipeline.gateway.app import _Batch, _Counts, _Direct, _Outstanding, _WindowedCounts
 
 
-class RecordingTable(dict):
+class RecordingTable:
+    """The accessor interface (get, set with the event) over a dict, recording writes."""
+
     def __init__(self):
-        super().__init__()
-        self.writes = []
+        self.data, self.reads, self.writes = {}, [], []
 
-    def __setitem__(self, key, value):
-        self.writes.append((key, value))
-        super().__setitem__(key, value)
+    def get(self, key):
+        self.reads.append(key)
+        return self.data.get(key)
+
+    def set(self, key, value, event):
+        self.writes.append((key, value, event))
+        self.data[key] = value
 
 
-def _batch(monkeypatch):
-    current = []
-    monkeypatch.setattr(gateway_app, "_as_current", current.append)
+def _batch():
     gateway = SimpleNamespace(_clock_s=100.0)
-    return _Batch(gateway), gateway, current
+    return _Batch(gateway), gateway
 
 
-def test_reads_see_the_batch_and_each_key_is_written_once_with_its_event(monkeypatch):
-    batch, gateway, current = _batch(monkeypatch)
+def test_reads_see_the_batch_and_each_key_is_read_and_written_once_with_its_last_event():
+    batch, _ = _batch()
     table = RecordingTable()
     counts = _Counts(table, batch)
     for event in ("e1", "e2", "e3"):
         batch.event = event
         counts.add("acme")
     assert counts.get("acme") == 3 and table.writes == []
+    assert table.reads == ["acme"]
     batch.flush()
-    assert table.writes == [("acme", 3)]
-    assert current == ["e3"]  # the changelog partition of the last event that touched it
-    assert batch.dirty == {}
+    assert table.writes == [("acme", 3, "e3")]  # the changelog partition of the last event that touched it
+    assert batch.dirty == {} and batch.clean == {}
 
 
-def test_window_writes_use_the_clock_of_their_decision(monkeypatch):
-    batch, gateway, _ = _batch(monkeypatch)
+def test_window_writes_use_the_clock_of_their_decision():
+    batch, gateway = _batch()
     seen_clocks = []
 
-    class Window(dict):
-        def __getitem__(self, who):
-            return SimpleNamespace(value=lambda: None)
+    class Window:
+        def get(self, who):
+            return None
 
-        def __setitem__(self, who, value):
-            seen_clocks.append((who, value, gateway._clock_s))
+        def set(self, who, value, event):
+            seen_clocks.append((who, value, event, gateway._clock_s))
 
     counts = _WindowedCounts({"per_second": Window()}, batch)
     batch.event = "e"
@@ -57,12 +62,12 @@ def test_window_writes_use_the_clock_of_their_decision(monkeypatch):
     assert counts.get("per_second\x1facme\x1f41000") == [1, 10]
     gateway._clock_s = 42.2  # the batch ends in the next second
     batch.flush()
-    assert seen_clocks == [("acme", [1, 10], 41.5)]
+    assert seen_clocks == [("acme", [1, 10], "e", 41.5)]
     assert gateway._clock_s == 42.2
 
 
-def test_outstanding_is_admitted_minus_finished_and_never_negative(monkeypatch):
-    batch, _, _ = _batch(monkeypatch)
+def test_outstanding_is_admitted_minus_finished_and_never_negative():
+    batch, _ = _batch()
     admitted, finished = _Counts(RecordingTable(), batch), _Counts(RecordingTable(), batch)
     out = _Outstanding(admitted, finished)
     batch.event = "e"
@@ -71,3 +76,43 @@ def test_outstanding_is_admitted_minus_finished_and_never_negative(monkeypatch):
     finished["acme\x1fNORMAL"] = 5
     assert out["acme\x1fNORMAL"] == 0
     assert admitted.get("acme\x1fNORMAL") == 2
+
+
+class RecordingOutputs:
+    def __init__(self):
+        self.sent = []
+
+    def produce(self, topic, value, key, headers=None, partition=None, then=None):
+        self.sent.append((topic, key, value, partition))
+
+
+def _direct(make_table):
+    app = faust.App("direct-test", broker="kafka://127.0.0.1:1", store="memory://")
+    gateway = SimpleNamespace(_clock_s=41.5, _outputs=RecordingOutputs())
+    table = make_table(app, gateway)
+    return _Direct(table, gateway), getattr(table, "table", table), gateway
+
+
+def test_direct_writes_go_to_the_store_and_the_changelog_encoded_as_faust_encodes_them():
+    direct, table, gateway = _direct(lambda app, g: app.Table("admitted", default=int, partitions=4))
+    event = SimpleNamespace(message=SimpleNamespace(partition=3))
+    assert direct.get("acme") == 0
+    direct.set("acme", 7, event)
+    assert direct.get("acme") == 7 and table.data["acme"] == 7
+    topic = table.changelog_topic
+    assert gateway._outputs.sent == [(topic.get_topic_name(), topic.prepare_key("acme", table.key_serializer)[0],
+                                      topic.prepare_value(7, table.value_serializer)[0], 3)]
+
+
+def test_direct_windowed_writes_use_the_window_of_the_gateway_clock_and_register_expiry():
+    direct, table, gateway = _direct(lambda app, g: app.Table("rate", default=lambda: None, partitions=4)
+                                     .tumbling(1.0, expires=2.0).relative_to(lambda event=None: g._clock_s))
+    event = SimpleNamespace(message=SimpleNamespace(partition=1))
+    direct.set("acme", [1, 10], event)
+    window = table.window.current(41.5)
+    assert table.data[("acme", window)] == [1, 10]
+    assert direct.get("acme") == [1, 10]
+    gateway._clock_s = 42.1
+    assert direct.get("acme") is None  # the next window
+    assert ("acme", window) in table._partition_timestamp_keys[(1, window[1])]
+    assert gateway._outputs.sent[0][1] == table.changelog_topic.prepare_key(("acme", window), table.key_serializer)[0]
