@@ -17,10 +17,14 @@ State lives in Faust tables backed by changelog topics, so it survives a restart
   and partition), so a re-submitted id is answered once while a redelivered message (after a
   crash) is processed again.
 
+With the memory store the tables are read and written directly (their store, and changelog
+records encoded as Faust encodes them), each key once per batch; Faust still recovers them.
+
 Delivery: one agent per band (concurrency 1 each: faust#606 makes concurrent agents commit
-past in-flight events) takes events in batches; a batch's table writes are handed to Faust,
-and its events are acknowledged only when the broker has acknowledged every output of the
-batch (:mod:`pipeline.gateway.deliveries`), while the next batch is already being handled.
+past in-flight events) takes as a batch whatever has arrived; a batch's outputs, changelog
+records included, go through librdkafka, and its events are acknowledged only when the broker
+has acknowledged every one of them (:mod:`pipeline.gateway.deliveries`), while the next batch
+is already being handled.
 """
 
 from __future__ import annotations
