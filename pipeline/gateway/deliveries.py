@@ -28,6 +28,7 @@ class Deliveries:
         self.poll_s = poll_s
         self.failed: list[str] = []  # "topic: error" of outputs the broker refused
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop_thread: int | None = None  # acknowledgements are made on the loop's thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -35,6 +36,7 @@ class Deliveries:
         """A new batch's outputs (called from the event loop: its events are acknowledged there)."""
         if self._thread is None:
             self.loop = asyncio.get_running_loop()
+            self.loop_thread = threading.get_ident()
             self._thread = threading.Thread(target=self._serve, name="gateway-deliveries", daemon=True)
             self._thread.start()
         return Outputs(self)
@@ -104,11 +106,10 @@ class Outputs:
             self._release()
 
     def _release(self) -> None:
-        loop = self.deliveries.loop
-        if threading.get_ident() == getattr(loop, "_thread_id", None):
+        if threading.get_ident() == self.deliveries.loop_thread:
             _ack(self.events)
         else:
-            loop.call_soon_threadsafe(_ack, self.events)
+            self.deliveries.loop.call_soon_threadsafe(_ack, self.events)
 
 
 def _ack(events: list) -> None:

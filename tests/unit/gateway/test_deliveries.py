@@ -1,0 +1,116 @@
+"""A gateway batch's events are acknowledged only once every output of the batch is delivered
+(pipeline.gateway.deliveries)."""
+
+import asyncio
+import threading
+
+from pipeline.gateway.deliveries import Deliveries
+
+
+class HeldProducer:
+    """Keeps each produce's delivery callback until the test delivers it; poll() does nothing."""
+
+    def __init__(self):
+        self.pending = []
+        self.lock = threading.Lock()
+
+    def produce(self, topic, value, key, headers=None, on_delivery=None, partition=None):
+        with self.lock:
+            self.pending.append((topic, on_delivery))
+
+    def poll(self, timeout):
+        threading.Event().wait(min(timeout, 0.01))
+        return 0
+
+    def flush(self, timeout):
+        self.deliver_all()
+        return 0
+
+    def deliver_all(self, error=None):
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for topic, callback in pending:
+            callback(error, _Msg(topic))
+
+
+class _Msg:
+    def __init__(self, topic):
+        self._topic = topic
+
+    def topic(self):
+        return self._topic
+
+
+class Event:
+    def __init__(self, name, acked):
+        self.name, self.acked = name, acked
+
+    def ack(self):
+        self.acked.append(self.name)
+
+
+def _run(body):
+    async def main():
+        producer = HeldProducer()
+        deliveries = Deliveries(producer, poll_s=0.01)
+        try:
+            await body(producer, deliveries)
+        finally:
+            deliveries.close(1)
+
+    asyncio.run(main())
+
+
+def test_events_are_acknowledged_after_the_last_output_of_their_batch_is_delivered():
+    async def body(producer, deliveries):
+        acked = []
+        outputs = deliveries.batch()
+        outputs.produce("dispatch", b"v", b"k")
+        outputs.produce("changelog", b"v", b"k", partition=3)
+        outputs.seal([Event("e1", acked), Event("e2", acked)])
+        await asyncio.sleep(0.02)
+        assert acked == []
+        # delivered from another thread, as librdkafka's delivery reports are
+        threading.Thread(target=producer.deliver_all).start()
+        for _ in range(100):
+            if acked:
+                break
+            await asyncio.sleep(0.01)
+        assert acked == ["e1", "e2"]
+
+    _run(body)
+
+
+def test_a_batch_without_outputs_is_acknowledged_at_once():
+    async def body(producer, deliveries):
+        acked = []
+        deliveries.batch().seal([Event("e", acked)])
+        assert acked == ["e"]
+
+    _run(body)
+
+
+def test_outputs_delivered_before_the_batch_is_sealed_still_count():
+    async def body(producer, deliveries):
+        acked = []
+        outputs = deliveries.batch()
+        outputs.produce("dispatch", b"v", b"k")
+        producer.deliver_all()
+        assert acked == []
+        outputs.seal([Event("e", acked)])
+        assert acked == ["e"]
+
+    _run(body)
+
+
+def test_a_refused_output_keeps_its_batch_unacknowledged_and_is_reported():
+    async def body(producer, deliveries):
+        acked = []
+        outputs = deliveries.batch()
+        outputs.produce("dispatch", b"v", b"k")
+        outputs.seal([Event("e", acked)])
+        producer.deliver_all(error="MSG_TIMED_OUT")
+        await asyncio.sleep(0.02)
+        assert acked == [] and deliveries.failed == ["dispatch: MSG_TIMED_OUT"]
+
+    _run(body)
