@@ -16,13 +16,13 @@ class PartitionQueues:
     def __init__(self):
         self._queues: dict[Hashable, deque] = {}
         self._turn: deque = deque()  # partitions with work, the next to serve first
-        self._size = 0
+        self.size = 0  # an attribute, not only len(): the worker reads it for every dispatch
 
     def __len__(self) -> int:
-        return self._size
+        return self.size
 
     def __bool__(self) -> bool:
-        return self._size > 0
+        return self.size > 0
 
     def depth(self, partition: Hashable) -> int:
         queue = self._queues.get(partition)
@@ -36,7 +36,7 @@ class PartitionQueues:
         if not queue:
             self._turn.append(partition)
         queue.append(item)
-        self._size += 1
+        self.size += 1
         return len(queue)
 
     def popleft(self):
@@ -44,7 +44,7 @@ class PartitionQueues:
         partition = self._turn[0]
         queue = self._queues[partition]
         item = queue.popleft()
-        self._size -= 1
+        self.size -= 1
         if queue:
             self._turn.rotate(-1)
         else:
@@ -55,7 +55,7 @@ class PartitionQueues:
         """Take back the item just appended to ``partition``."""
         queue = self._queues[partition]
         item = queue.pop()
-        self._size -= 1
+        self.size -= 1
         if not queue:
             self._turn.remove(partition)
         return item
@@ -68,5 +68,5 @@ class PartitionQueues:
             if queue:
                 dropped += len(queue)
                 self._turn.remove(partition)
-        self._size -= dropped
+        self.size -= dropped
         return dropped
