@@ -37,27 +37,27 @@ def _worker(**worker_settings):
     return worker
 
 
-def test_a_partition_that_comes_back_after_its_band_resumed_is_resumed():
+def test_a_partition_that_comes_back_after_it_was_resumed_is_resumed():
     worker = _worker()
     low = worker.settings.topics.request_topic(Priority.LOW)
     tp = TopicPartition(low, 0)
     worker.consumer.assigned = [tp]
-    worker._set_band_paused(Priority.LOW.rank, True)
+    worker._set_paused((low, 0), True)
     assert worker.consumer.paused == {(low, 0)}
-    # lost in a rebalance; meanwhile the band's queue drained and the band was resumed
+    # lost in a rebalance; meanwhile its queue drained and it was resumed
     worker.consumer.assigned = []
-    worker._set_band_paused(Priority.LOW.rank, False)
+    worker._set_paused((low, 0), False)
     # assigned again: librdkafka still has it paused
     worker.consumer.assigned = [tp]
     worker._reapply_pauses()
     assert worker.consumer.paused == set()
 
 
-def test_partitions_of_a_paused_band_are_paused_when_assigned():
+def test_a_partition_paused_for_its_full_queue_is_paused_again_when_assigned():
     worker = _worker()
     bg = worker.settings.topics.request_topic(Priority.BACKGROUND)
     crit = worker.settings.topics.request_topic(Priority.CRITICAL)
-    worker._paused_bands.add(Priority.BACKGROUND.rank)
+    worker._paused_parts.add((bg, 1))
     worker.consumer.assigned = [TopicPartition(bg, 1), TopicPartition(crit, 1)]
     worker._reapply_pauses()
     assert worker.consumer.paused == {(bg, 1)}
