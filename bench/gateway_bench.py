@@ -443,8 +443,9 @@ def _latency_at(settings: Settings, rate: int) -> dict:
     lat = sorted(arrived - r.created_at for arrived, r, _ in got if r.created_at >= start)
     return {"rate_per_s": rate, "p50_ms": lat[len(lat) // 2], "p99_ms": p99(lat), "responses": len(got),
             "seconds": seconds,
-            "tuning": "aiokafka fetch_max_wait 5 ms (faust hard-codes 1500), gateway batches what has arrived (no wait), "
-                      "producer linger 1 ms; worker fetch.wait.max.ms 50; reader fetch.wait.max.ms 5"}
+            "tuning": "gateway: aiokafka fetch_max_wait 5 ms (faust hard-codes 1500), batches of what has arrived "
+                      "(no wait), librdkafka linger 1 ms; worker: fetch.wait.max.ms 50, linger.ms 5, idle poll 5 ms; "
+                      "load producer linger 1 ms; reader fetch.wait.max.ms 5, consume wait 2 ms"}
 
 
 # -- gateway_memory ---------------------------------------------------------------------------
