@@ -435,7 +435,12 @@ class Gateway:
         seen_new: dict[int, list] = {}  # partition → [first event, [[id, source], ...]]
         for event in events:
             batch.event = event
-            self._admit_one(event, seen_new)
+            try:
+                self._admit_one(event, seen_new)
+            except Exception as exc:  # noqa: BLE001 (a bug must neither stop the gateway nor lose the request)
+                log.exception("admitting %s[%d]@%d failed", event.message.topic, event.message.partition,
+                              event.message.offset)
+                self._dead_letter(event, "gateway_error", f"{type(exc).__name__}: {exc}")
         batch.flush()
         for first, entries in seen_new.values():
             self._seen_access.set(f"{first.message.partition}:{first.message.offset}", entries, first)
@@ -450,7 +455,11 @@ class Gateway:
         outputs = self._outputs = self._deliveries.batch()
         for event in events:
             batch.event = event
-            self._complete_one(event, now)
+            try:
+                self._complete_one(event, now)
+            except Exception:  # noqa: BLE001 (a response the gateway cannot count is still the client's)
+                log.exception("counting the completion %s[%d]@%d failed", event.message.topic,
+                              event.message.partition, event.message.offset)
         batch.flush()
         outputs.seal(events)
 
@@ -495,12 +504,7 @@ class Gateway:
         try:
             req = self.codec.decode_request(event.value)
         except DecodeError as exc:
-            m.outcome("UNKNOWN", "dead_lettered")
-            m.dead_letters.labels(exc.reason).inc()
-            headers = dead_letter_headers(msg.topic, msg.partition, msg.offset, exc.reason, str(exc), "gateway",
-                                          list(msg.headers or ()))
-            log.warning("dead-lettering %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, exc)
-            self._produce(self.dlq_topic, event.value, event.key, headers)
+            self._dead_letter(event, exc.reason, str(exc))
             return
 
         source = f"{msg.topic}:{msg.partition}:{msg.offset}"
@@ -542,6 +546,15 @@ class Gateway:
             m.rejections.labels(req.priority.value, reason_code(decision.reason)).inc()
         self._respond(Response.for_request(req, status, reason=decision.reason,
                                            retry_after_ms=decision.retry_after_ms, served_priority=decision.band))
+
+    def _dead_letter(self, event, reason: str, detail: str) -> None:
+        msg = event.message
+        self.metrics.outcome("UNKNOWN", "dead_lettered")
+        self.metrics.dead_letters.labels(reason).inc()
+        headers = dead_letter_headers(msg.topic, msg.partition, msg.offset, reason, detail, "gateway",
+                                      list(msg.headers or ()))
+        log.warning("dead-lettering %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, detail)
+        self._produce(self.dlq_topic, event.value, event.key, headers)
 
     def _remember(self, request_id: str, source: str, event, seen_new: dict) -> None:
         seen = self._seen

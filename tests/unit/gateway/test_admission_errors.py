@@ -1,0 +1,60 @@
+"""A request the gateway fails on (a bug, not bad bytes) is dead-lettered with the reason, and
+the rest of its batch is admitted."""
+
+import asyncio
+from types import SimpleNamespace
+
+from pipeline.config import Settings
+from pipeline.dlq import H_REASON
+from pipeline.gateway import app as gateway_app
+from pipeline.gateway.app import Gateway
+
+
+class FakeEvent:
+    def __init__(self, offset):
+        self.message = SimpleNamespace(topic="llm.requests.normal", partition=0, offset=offset, headers=[])
+        self.value, self.key = b"\xc3\x01request", b"tenant"
+        self.acked = False
+
+    def ack(self):
+        self.acked = True
+
+
+class NoProducer:
+    """Stands in for librdkafka's producer: outputs are recorded by the test instead."""
+
+    def __init__(self, config):
+        pass
+
+    def poll(self, timeout=0):
+        return 0
+
+    def flush(self, timeout=0):
+        return 0
+
+
+def test_a_failing_request_is_dead_lettered_and_the_batch_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(gateway_app, "Producer", NoProducer)
+    settings = Settings.load(env={})
+    gateway = Gateway(settings, app_id="unit-gw", web_port=0, datadir=str(tmp_path / "gw"))
+    produced, admitted = [], []
+
+    def admit_one(event, seen_new):
+        if event.message.offset == 1:
+            raise KeyError("a bug")
+        admitted.append(event.message.offset)
+
+    gateway._admit_one = admit_one
+    gateway._produce = lambda topic, value, key, headers=None: produced.append((topic, value, dict(headers or [])))
+    events = [FakeEvent(i) for i in range(3)]
+
+    async def run():
+        gateway._admit_events(events)
+        gateway._deliveries.close(1)
+
+    asyncio.run(run())
+    assert admitted == [0, 2]
+    [(topic, value, headers)] = produced
+    assert topic == settings.topics.dlq and value == events[1].value
+    assert headers[H_REASON] == b"gateway_error"
+    assert all(e.acked for e in events)  # nothing left unacknowledged: the dead letter is the answer
