@@ -112,7 +112,6 @@ class _ViaFaust:
     def __init__(self, table):
         self.table = table  # a Table, or a WindowWrapper whose window follows the gateway's clock
         self.windowed = hasattr(table, "table")
-        self.items = (table.table if self.windowed else table).items
 
     def get(self, key):
         if self.windowed:
@@ -136,7 +135,6 @@ class _Direct:
         self.table = t = getattr(table, "table", table)
         self.window = t.window
         self.store = t.data
-        self.items = t.items
         self.default = t.default
         topic = t.changelog_topic
         self.topic_name = topic.get_topic_name()
@@ -235,9 +233,6 @@ class _Counts:
 
     def add(self, key, n: int = 1) -> None:
         self[key] = (self.get(key) or 0) + n
-
-    def items(self):
-        return self.table.items()
 
 
 class _Outstanding(MutableMapping):

@@ -12,6 +12,7 @@ from typing import Any
 import fastavro
 
 from pipeline.models import Priority, Request, Response, Status, TaskTier
+from pipeline.testing import zigzag  # noqa: F401 (the serde tests take it from here)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCHEMAS_DIR = REPO_ROOT / "schemas"
@@ -25,17 +26,6 @@ def load_json(path: Path) -> Any:
 def history_schema(name: str, revision: int) -> dict:
     """A published revision, as JSON (a fresh copy each call)."""
     return load_json(HISTORY_DIR / f"{name}.{revision}.avsc")
-
-
-def zigzag(n: int) -> bytes:
-    """Avro's zig-zag varint encoding of a long."""
-    n = (n << 1) ^ (n >> 63)
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def avro_body(schema: Any, record: Any) -> bytes:
