@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import socket
 import signal
 import statistics
@@ -324,6 +325,28 @@ TABLE = {
 }
 
 
+# Topics the scenarios create: "bench<hex>.llm…" here, "gwb<hex>.llm…" in gateway_bench.
+_BENCH_TOPIC = re.compile(r"^(bench|gwb)[0-9a-f]{6}\.llm")
+
+
+def _drop_bench_topics(bootstrap: str) -> None:
+    """Delete the topics a scenario created, so that the next one runs on a broker without
+    hundreds of dead partitions (their indexes and fetch sessions cost the broker CPU and the
+    later scenarios latency). Only names the benchmark generates are touched."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    names = [t for t in admin.list_topics(timeout=30).topics if _BENCH_TOPIC.match(t)]
+    if not names:
+        return
+    for name, future in admin.delete_topics(names, operation_timeout=30).items():
+        try:
+            future.result()
+        except Exception as exc:  # noqa: BLE001 (a leftover topic only costs the broker a little)
+            _log(f"  could not delete {name}: {exc}")
+    _log(f"  deleted the scenario's {len(names)} topics")
+
+
 def _conditions(args, kafka_version: str) -> dict:
     import confluent_kafka
     import fastavro
@@ -362,7 +385,10 @@ def main(argv=None) -> int:
             settings.kafka.bootstrap = bootstrap
             settings.topics.prefix = f"bench{uuid.uuid4().hex[:6]}.llm"
             create_pipeline_topics(settings)
-            results[name] = SCENARIOS[name](settings, args)
+            try:
+                results[name] = SCENARIOS[name](settings, args)
+            finally:
+                _drop_bench_topics(bootstrap)
     finally:
         if broker is not None:
             broker.down()

@@ -312,8 +312,12 @@ class GatewaySettings:
     #: The most requests admitted in one go. A batch is what has arrived, up to this many (it
     #: never waits to fill); table writes are made once per key and batch.
     batch_size: int = 200
-    #: aiokafka: the longest a fetch waits for data (its default, 500 ms, dominates latency).
-    fetch_max_wait_ms: int = 5
+    #: aiokafka: the longest a fetch waits when no data arrives. A fetch returns as soon as any
+    #: of its partitions has data, so this is not a latency floor; it bounds the stall after a
+    #: seek, resume or rebalance (faust hard-codes 1,500 ms). Short waits cost CPU: at 5 ms an
+    #: idle gateway used 21 % of a core and its broker 15 % (3 % and 5 % at 100 ms), and at
+    #: 1,000 req/s admission p99 was 66-80 ms (34 ms at 100).
+    fetch_max_wait_ms: int = 100
     producer_linger_ms: int = 1
 
     # -- the policies these settings describe (also validates them, naming the bad key) ---
