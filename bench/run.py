@@ -344,6 +344,11 @@ def _drop_bench_topics(bootstrap: str) -> None:
             future.result()
         except Exception as exc:  # noqa: BLE001 (a leftover topic only costs the broker a little)
             _log(f"  could not delete {name}: {exc}")
+    # Deletion finishes in the background: the next scenario's new topics were otherwise
+    # missing from the metadata its first clients saw.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and set(names) & set(admin.list_topics(timeout=30).topics):
+        time.sleep(0.2)
     _log(f"  deleted the scenario's {len(names)} topics")
 
 
