@@ -131,7 +131,7 @@ def _producer(settings: Settings) -> Producer:
     producer = _PRODUCERS.get(settings.kafka.bootstrap)
     if producer is None:
         producer = _PRODUCERS[settings.kafka.bootstrap] = Producer(
-            settings.kafka.producer_config(**{"linger.ms": 1}))
+            settings.kafka.producer_config())  # llmq's producer defaults, as the llmq client has them
     return producer
 
 
@@ -453,8 +453,8 @@ def _latency_at(settings: Settings, rate: int) -> dict:
     return {"rate_per_s": rate, "p50_ms": lat[len(lat) // 2], "p99_ms": p99(lat), "responses": len(got),
             "seconds": seconds,
             "tuning": "gateway: aiokafka fetch_max_wait 100 ms (faust hard-codes 1500), batches of what has arrived "
-                      "(no wait), librdkafka linger 1 ms; worker: fetch.wait.max.ms 50, linger.ms 5, idle poll 5 ms; "
-                      "load producer linger 1 ms; reader fetch.wait.max.ms 5, consume wait 2 ms"}
+                      "(no wait), librdkafka linger 5 ms; worker: fetch.wait.max.ms 50, linger.ms 5, idle poll 5 ms; "
+                      "load producer linger 5 ms (llmq's default); reader fetch.wait.max.ms 5, consume wait 2 ms"}
 
 
 # -- gateway_memory ---------------------------------------------------------------------------

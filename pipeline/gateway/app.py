@@ -128,44 +128,73 @@ class _Direct:
     Faust encodes them, sent with the batch's other outputs; a windowed table's key is the
     window holding the gateway's clock, registered for expiry as Faust does it. Faust's own
     path (a sensor call per read and write, the partition looked up from the current event,
-    the key serialised every time) was most of the gateway's table time."""
+    the key serialised every time) was most of the gateway's table time.
+
+    The counters' values (an int, or [requests, tokens]) are encoded without Faust's serializer
+    stack when that gives Faust's bytes (checked once, here); keys, windowed ones included,
+    are encoded once and remembered.
+    """
+
+    _MAX_REMEMBERED_KEYS = 200_000
 
     def __init__(self, table, gateway: "Gateway"):
         self.gateway = gateway
         self.table = t = getattr(table, "table", table)
         self.window = t.window
         self.store = t.data
+        # The memory store keeps a plain dict: read it without the store's mapping layers.
+        data = getattr(t.data, "data", None)
+        self.data = data if type(data) is dict else t.data
         self.default = t.default
         topic = t.changelog_topic
         self.topic_name = topic.get_topic_name()
         self._encode_key = lambda k: topic.prepare_key(k, t.key_serializer, None, {})[0]
-        self._encode_value = lambda v: topic.prepare_value(v, t.value_serializer, None, {})[0]
+        self._faust_value = lambda v: topic.prepare_value(v, t.value_serializer, None, {})[0]
+        self._fast_values = all(_fast_counter_value(v) == self._faust_value(v)
+                                for v in (0, 7, -3, 10**12, [1, 10], [0, 0], [5, 123456789]))
         self._key_bytes: dict = {}
+        self._window_clock = None
+        self._window_now = None
 
     def _full_key(self, key):
-        return key if self.window is None else (key, self.window.current(self.gateway._clock_s))
+        window = self.window
+        if window is None:
+            return key
+        clock = self.gateway._clock_s
+        if clock != self._window_clock:
+            self._window_clock, self._window_now = clock, window.current(clock)
+        return key, self._window_now
 
     def get(self, key):
         try:
-            return self.store[self._full_key(key)]
+            return self.data[self._full_key(key)]
         except KeyError:
             return self.default() if self.default is not None else None
 
     def set(self, key, value, event) -> None:
         full = self._full_key(key)
-        self.store[full] = value
-        if self.window is None:
-            encoded = self._key_bytes.get(full)
-            if encoded is None:
-                if len(self._key_bytes) > 200_000:
-                    self._key_bytes.clear()
-                encoded = self._key_bytes[full] = self._encode_key(full)
-        else:
-            encoded = self._encode_key(full)
+        self.data[full] = value
+        encoded = self._key_bytes.get(full)
+        if encoded is None:
+            if len(self._key_bytes) > self._MAX_REMEMBERED_KEYS:
+                self._key_bytes.clear()
+            encoded = self._key_bytes[full] = self._encode_key(full)
+        value_bytes = _fast_counter_value(value) if self._fast_values else None
+        if value_bytes is None:
+            value_bytes = self._faust_value(value)
         partition = event.message.partition
-        self.gateway._outputs.produce(self.topic_name, self._encode_value(value), encoded, partition=partition)
+        self.gateway._outputs.produce(self.topic_name, value_bytes, encoded, partition=partition)
         if self.window is not None and self.window.expires is not None:
             self.table._maybe_set_key_ttl(full, partition)
+
+
+def _fast_counter_value(value) -> bytes | None:
+    """JSON of an int or of a pair of ints (what the counters hold), else None."""
+    if type(value) is int:
+        return b"%d" % value
+    if type(value) is list and len(value) == 2 and type(value[0]) is int and type(value[1]) is int:
+        return b"[%d,%d]" % (value[0], value[1])
+    return None
 
 
 class _WindowedCounts(MutableMapping):

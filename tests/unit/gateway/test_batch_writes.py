@@ -116,3 +116,18 @@ def test_direct_windowed_writes_use_the_window_of_the_gateway_clock_and_register
     assert direct.get("acme") is None  # the next window
     assert ("acme", window) in table._partition_timestamp_keys[(1, window[1])]
     assert gateway._outputs.sent[0][1] == table.changelog_topic.prepare_key(("acme", window), table.key_serializer)[0]
+
+
+def test_counter_values_and_remembered_keys_are_the_bytes_faust_would_write():
+    direct, table, gateway = _direct(lambda app, g: app.Table("rate", default=lambda: None, partitions=4)
+                                     .tumbling(1.0, expires=2.0).relative_to(lambda event=None: g._clock_s))
+    topic = table.changelog_topic
+    event = SimpleNamespace(message=SimpleNamespace(partition=2))
+    values = [[1, 10], [0, 0], [7, 2**40], 5, -3, None, [["id-1", "t:0:5"]], {"a": 1}, True]
+    for value in values:
+        direct.set("tenant \"q\" é", value, event)  # the key is encoded once, then remembered
+    window = table.window.current(41.5)
+    want_key = topic.prepare_key(("tenant \"q\" é", window), table.key_serializer)[0]
+    assert [sent[1] for sent in gateway._outputs.sent] == [want_key] * len(values)
+    assert [sent[2] for sent in gateway._outputs.sent] == [topic.prepare_value(v, table.value_serializer)[0]
+                                                           for v in values]
