@@ -8,6 +8,7 @@ request CANCELLED instead of calling the model, or cancel the call if it is in f
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import OrderedDict
 
@@ -27,31 +28,68 @@ def cancellation_record(request_id: str, reason: str = "cancelled by the client"
 
 
 class CancellationView:
-    """The cancelled request ids seen so far (newest ``capacity`` kept), fed by :meth:`poll`."""
+    """The cancelled request ids seen so far (newest ``capacity`` kept), fed by :meth:`poll`.
 
-    def __init__(self, settings: Settings, capacity: int = 200_000):
+    A topic missing at start (workers started before ``llmq topics create``) is looked for
+    again every ``retry_s`` seconds from :meth:`poll`, so cancellations start working once it
+    exists instead of staying off until a restart.
+    """
+
+    def __init__(self, settings: Settings, capacity: int = 200_000, retry_s: float = 30.0):
         self.topic = settings.topics.cancellations
         self.capacity = capacity
+        self.retry_s = retry_s
         self._ids: OrderedDict[str, str] = OrderedDict()
+        self._assigned = False
+        self._next_look = 0.0
         self._consumer = Consumer(settings.kafka.consumer_config(
             f"llmq-cancellations-{uuid.uuid4().hex[:8]}",  # assign() only: the id is never used
             **{"enable.partition.eof": False, "fetch.wait.max.ms": 50}))
         try:
-            md = self._consumer.list_topics(self.topic, timeout=10).topics.get(self.topic)
+            found = self._look(timeout=10)
         except KafkaException as exc:
             self._consumer.close()
-            raise KafkaOperationError(f"describe {self.topic}", str(exc.args[0]), exc.args[0]) from exc
-        if md is None or md.error is not None or not md.partitions:
-            self._consumer.close()
             self._consumer = None
-            log.warning("no %s topic: cancellations are off (run `llmq topics create`)", self.topic)
-            return
+            raise KafkaOperationError(f"describe {self.topic}", str(exc.args[0]), exc.args[0]) from exc
+        if not found:
+            log.warning("no %s topic: cancellations are off until it exists (looked for again every %.0f s; "
+                        "`llmq topics create` creates it)", self.topic, self.retry_s)
+
+    @property
+    def active(self) -> bool:
+        """Whether the topic was found and is being read."""
+        return self._assigned
+
+    def _look(self, timeout: float) -> bool:
+        """Assign the topic's partitions if it exists now."""
+        md = self._consumer.list_topics(self.topic, timeout=timeout).topics.get(self.topic)
+        if md is None or md.error is not None or not md.partitions:
+            self._next_look = time.monotonic() + self.retry_s
+            return False
         self._consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in md.partitions])
+        self._assigned = True
+        return True
+
+    def _look_again(self) -> None:
+        if time.monotonic() < self._next_look:
+            return
+        try:
+            found = self._look(timeout=1.0)  # on the caller's loop: keep it short
+        except KafkaException as exc:
+            self._next_look = time.monotonic() + self.retry_s
+            log.info("looking for the %s topic failed (%s); trying again in %.0f s", self.topic, exc, self.retry_s)
+            return
+        if found:
+            log.info("%s topic found: cancellations are on", self.topic)
 
     def poll(self, max_messages: int = 500) -> list[str]:
         """Read what arrived; returns the newly cancelled ids."""
         if self._consumer is None:
             return []
+        if not self._assigned:
+            self._look_again()
+            if not self._assigned:
+                return []
         new = []
         for msg in self._consumer.consume(max_messages, 0):
             if msg.error() is not None or msg.key() is None:
