@@ -653,6 +653,12 @@ class Worker:
         _ABANDONED_PRODUCERS.append(self.producer)
         self.producer = None
         self._restart = True
+        if len(_ABANDONED_PRODUCERS) >= MAX_ABANDONED_PRODUCERS:
+            # Each one keeps its threads, buffers and connections for the life of the process:
+            # past a few, a clean restart by the supervisor costs less than running on.
+            self._fatal = KafkaOperationError(
+                what, f"{len(_ABANDONED_PRODUCERS)} producers abandoned in stuck transactional calls; stopping "
+                      "so that a restarted process frees them (nothing is lost: offsets stay uncommitted)")
 
     def _on_commit(self, err, partitions) -> None:
         if err is None:
@@ -791,8 +797,9 @@ class _CallHung(Exception):
 
 
 # Producers whose transactional call never returned. Referenced forever: destroying one would
-# block on the same stuck call.
+# block on the same stuck call. At MAX_ABANDONED_PRODUCERS the worker stops with an error.
 _ABANDONED_PRODUCERS: list = []
+MAX_ABANDONED_PRODUCERS = 3
 
 
 def _bounded_call(fn, timeout_s: float):

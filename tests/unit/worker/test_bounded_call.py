@@ -29,3 +29,22 @@ def test_a_call_that_never_returns_is_reported_not_waited_for():
         _bounded_call(release.wait, 0.1)
     assert time.monotonic() - t0 < 5
     release.set()
+
+
+def test_the_worker_stops_with_an_error_once_too_many_producers_are_abandoned(monkeypatch):
+    from pipeline.config import Settings
+    from pipeline.errors import KafkaOperationError
+    from pipeline.worker import loop
+    from pipeline.worker.backends.simulated import SimulatedBackend
+
+    monkeypatch.setattr(loop, "_ABANDONED_PRODUCERS", [])
+    settings = Settings.load(env={})
+    settings.worker.delivery = "exactly-once"
+    worker = loop.Worker(settings, SimulatedBackend(), worker_id="stuck-txn")
+    for n in range(1, loop.MAX_ABANDONED_PRODUCERS + 1):
+        worker.producer = object()  # stands in for a producer stuck in send_offsets_to_transaction
+        worker._abandon_producer("the transaction commit")
+        assert worker.producer is None and worker._restart
+        assert (worker._fatal is None) == (n < loop.MAX_ABANDONED_PRODUCERS)
+    assert isinstance(worker._fatal, KafkaOperationError)
+    assert "3 producers abandoned" in str(worker._fatal)
