@@ -276,7 +276,9 @@ class GatewaySettings:
     #: "at-least-once" only: a batch's offsets are committed after its outputs are delivered;
     #: a redelivered request is recognised by its id (see dedupe_horizon_ms).
     processing_guarantee: str = "at-least-once"
-    #: Faust table store: memory:// (rebuilt from the changelog topics on start) or rocksdb://.
+    #: Faust table store: memory:// only (rebuilt from the changelog topics at start). rocksdb://
+    #: is refused: Faust's rocksdb store reads a key from the partition of the event being
+    #: processed, and the gateway reads counters written from other partitions and topics.
     store: str = "memory://"
     #: Effective priority: band offset per user tier (negative = up), deadline urgency, load.
     tier_offsets: dict[str, int] = field(default_factory=lambda: {"enterprise": -1, "standard": 0, "free": 1})
@@ -393,8 +395,10 @@ class GatewaySettings:
             # outside its transactions, and the dispatch topics are such topics.
             raise ConfigError("gateway.processing_guarantee", "only 'at-least-once' is supported: re-admitted "
                                                                "requests are recognised by id instead")
-        if not self.store.startswith(("memory://", "rocksdb://")):
-            raise ConfigError("gateway.store", "must be memory:// or rocksdb://")
+        if not self.store.startswith("memory://"):
+            raise ConfigError("gateway.store", "must be memory:// (the tables are rebuilt from their changelog "
+                                               "topics at start); rocksdb:// is not supported: Faust's rocksdb "
+                                               "store reads from the current event's partition only")
         for key in ("max_timeout_ms", "urgent_eta_factor", "batch_size"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"gateway.{key}", f"must be > 0, got {getattr(self, key)!r}")

@@ -17,8 +17,10 @@ State lives in Faust tables backed by changelog topics, so it survives a restart
   and partition), so a re-submitted id is answered once while a redelivered message (after a
   crash) is processed again.
 
-With the memory store the tables are read and written directly (their store, and changelog
-records encoded as Faust encodes them), each key once per batch; Faust still recovers them.
+The tables use Faust's memory store (the only one supported: Faust's rocksdb store reads a key
+from the current event's partition only) and are read and written directly (their store, and
+changelog records encoded as Faust encodes them), each key once per batch; Faust still recovers
+them from the changelogs at start.
 
 Delivery: one agent per band (concurrency 1 each: faust#606 makes concurrent agents commit
 past in-flight events) takes as a batch whatever has arrived; a batch's outputs, changelog
@@ -32,15 +34,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import MutableMapping
 from pathlib import Path
 
 import faust
 from confluent_kafka import Producer
-from faust.streams import _current_event
-from faust.types import TP
 from mode.utils.times import want_seconds
 
 from pipeline.cancellations import CancellationView
@@ -104,23 +103,6 @@ class _Batch:
             write(value, event)
         g._clock_s = clock
         self.dirty.clear()
-
-
-class _ViaFaust:
-    """A table read and written through Faust's table API (sensors, per-write serialisation)."""
-
-    def __init__(self, table):
-        self.table = table  # a Table, or a WindowWrapper whose window follows the gateway's clock
-        self.windowed = hasattr(table, "table")
-
-    def get(self, key):
-        if self.windowed:
-            return self.table[key].value()
-        return self.table[key]
-
-    def set(self, key, value, event) -> None:
-        _as_current(event)
-        self.table[key] = value
 
 
 class _Direct:
@@ -308,7 +290,7 @@ class Gateway:
         app_id = app_id or g.app_id
         broker = ";".join(f"kafka+llmq://{hp.strip()}" for hp in settings.kafka.bootstrap.split(","))
         credentials = _credentials(settings)
-        # Faust keeps its local state (rocksdb tables, if chosen) here and creates only the last level.
+        # Faust keeps its local state here and creates only the last level.
         datadir = Path(datadir or Path(".llmq") / f"gateway-{app_id}")
         datadir.parent.mkdir(parents=True, exist_ok=True)
         self.app = faust.App(
@@ -372,7 +354,9 @@ class Gateway:
             self._on_flow_cleared()
 
         flow.clear = clear_then_flush
-        access = (lambda table: _Direct(table, self)) if g.store.startswith("memory://") else _ViaFaust
+        def access(table):  # the memory store is the only one (see GatewaySettings.store)
+            return _Direct(table, self)
+
         rate_access = {name: access(table) for name, table in self.rate_tables.items()}
         admitted, finished, self._seen_access = access(self.admitted_t), access(self.finished_t), access(self.seen_log)
         self._admit_batch = _Batch(self)
@@ -499,18 +483,13 @@ class Gateway:
         topic = table.changelog_topic
         name = topic.get_topic_name()
 
-        def persist_offset(msg):  # what Faust's _on_changelog_sent does, for a persistent store
-            table.data.set_persisted_offset(TP(msg.topic(), msg.partition()), msg.offset())
-
-        persist = None if self.cfg.store.startswith("memory://") else persist_offset
-
         def send_changelog(partition, key, value, key_serializer=None, value_serializer=None):
             outputs = self._outputs
             if outputs is None or outputs.sealed or partition is None:
                 return original(partition, key, value, key_serializer, value_serializer)
             k, headers = topic.prepare_key(key, key_serializer or table.key_serializer, None, {})
             v, headers = topic.prepare_value(value, value_serializer or table.value_serializer, None, headers)
-            outputs.produce(name, v, k, headers or None, partition=partition, then=persist)
+            outputs.produce(name, v, k, headers or None, partition=partition)
             return _Sent(partition)
 
         table.send_changelog = send_changelog
@@ -751,16 +730,6 @@ class _Sent:
     def __init__(self, partition: int):
         self.message = self
         self.partition = partition
-
-
-def _as_current(event) -> None:
-    """Make ``event`` the one Faust's tables see as current (they write its partition's changelog).
-
-    Only the context variable the tables read: the stream's own ``current_event`` attribute
-    is what ``take_events`` pairs the *next* incoming value with, and overwriting it there
-    attaches a later message to an earlier event (one processed twice, one never).
-    """
-    _current_event.set(weakref.ref(event))
 
 
 def _now_ms() -> int:

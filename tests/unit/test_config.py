@@ -103,6 +103,8 @@ def test_the_example_file_documents_every_gateway_default():
     ("[gateway]\ndemote_floor = 'LOWEST'", "gateway.demote_floor"),
     ("[gateway]\nhigh_load = 0", "gateway.high_load"),
     ("[gateway]\nstore = 'redis://x'", "gateway.store"),
+    # Faust's rocksdb store reads only the current event's partition: the gateway's reads would miss.
+    ("[gateway]\nstore = 'rocksdb://'", "gateway.store"),
     ("[worker]\nsource = 'topics'", "worker.source"),
 ])
 def test_invalid_gateway_settings_are_refused_naming_the_key(tmp_path, toml, key):
