@@ -123,8 +123,7 @@ class _Direct:
         self.gateway = gateway
         self.table = t = getattr(table, "table", table)
         self.window = t.window
-        self.store = t.data
-        # The memory store keeps a plain dict: read it without the store's mapping layers.
+        # The memory store keeps a plain dict: use it without the store's mapping layers.
         data = getattr(t.data, "data", None)
         self.data = data if type(data) is dict else t.data
         self.default = t.default
