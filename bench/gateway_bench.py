@@ -185,8 +185,9 @@ def warm_up(settings: Settings, bands=(Priority.CRITICAL, Priority.BACKGROUND, P
     partition it measures (request, dispatch, response and table topics are keyed by tenant)
     has been written once.
     """
+    per_tenant = 10 if len(tenants) == 1 else 2
     reqs = [Request.new(tenant, f"w{i}", priority=band, timeout_ms=600_000, max_tokens=1)
-            for i in range(10) for tenant in tenants for band in bands][:max(10 * len(bands), 2 * len(tenants))]
+            for i in range(per_tenant) for tenant in tenants for band in bands]
     pace = min(0.01, 1.0 / len(reqs))
     produce_paced(settings, ((i * pace, r) for i, r in enumerate(reqs)))
     ids = {r.request_id for r in reqs}
