@@ -117,7 +117,9 @@ class _Direct:
     are encoded once and remembered.
     """
 
-    _MAX_REMEMBERED_KEYS = 200_000
+    # Windowed keys change with every window: a larger cache only holds dead windows (at 100,000
+    # tenants, 200,000 remembered keys were ~38 MB of the gateway's RSS).
+    _MAX_REMEMBERED_KEYS = 50_000
 
     def __init__(self, table, gateway: "Gateway"):
         self.gateway = gateway
