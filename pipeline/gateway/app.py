@@ -262,9 +262,10 @@ class _Outstanding(MutableMapping):
         return self[key]
 
     def __setitem__(self, key, value):
-        current = self[key]
+        admitted = self.admitted.get(key) or 0
+        current = max(0, admitted - (self.finished.get(key) or 0))
         if value > current:
-            self.admitted[key] = (self.admitted.get(key) or 0) + (value - current)
+            self.admitted[key] = admitted + (value - current)
 
     def __delitem__(self, key):
         pass  # a completion: counted in `finished` by the completions agent

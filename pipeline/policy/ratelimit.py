@@ -77,7 +77,7 @@ class RateLimiter:
     def admit(self, tenant: str, model: str, tokens: int, now_ms: int) -> RateDecision:
         """Admit and count, or refuse (counting nothing) with the limit and its retry-after."""
         limits = self.limits_for(tenant)
-        keys = []
+        counted = []  # (key, what it holds now): counted only if every limit has room
         worst: RateDecision | None = None
         for limit in limits:
             start = window_start(now_ms, limit.window_ms)
@@ -96,12 +96,11 @@ class RateLimiter:
                 retry = start + limit.window_ms - now_ms
                 if worst is None or retry > worst.retry_after_ms:
                     worst = RateDecision(False, limit.name, retry, f"{over} in the {limit.window_ms} ms window")
-            keys.append(key)
+            counted.append((key, used))
         if worst is not None:
             return worst
         counts = self.counts
-        for key in keys:
-            used = counts.get(key) or (0, 0)
+        for key, used in counted:
             counts[key] = [used[0] + 1, used[1] + tokens]
         return ADMIT
 
