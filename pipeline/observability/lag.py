@@ -85,6 +85,14 @@ class LagSnapshot:
         return out
 
 
+_LEADER_MOVING = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                  KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.REQUEST_TIMED_OUT, KafkaError._TIMED_OUT}
+
+
+def _leader_moving(err) -> bool:
+    return err.code() in _LEADER_MOVING or bool(getattr(err, "retriable", lambda: False)())
+
+
 def band_topics(settings: Settings, band: Priority) -> set[str]:
     # Dispatch topics arrive with the gateway; counting them now keeps dashboards stable.
     return {settings.topics.request_topic(band), f"{settings.topics.prefix}.dispatch.{band.value.lower()}"}
@@ -174,13 +182,29 @@ class LagReader:
                 for p in (tmd.partitions if tmd is not None and tmd.error is None else ()):
                     committed.setdefault((g, t, p), None)
 
-    def _end_offsets(self, tps: set[tuple[str, int]]) -> dict[tuple[str, int], int]:
-        if not tps:
-            return {}
-        self.round_trips += 1
-        futures = self.admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in tps},
-                                          request_timeout=self.request_timeout)
-        return {(tp.topic, tp.partition): fut.result().offset for tp, fut in futures.items()}
+    def _end_offsets(self, tps: set[tuple[str, int]], attempts: int = 3) -> dict[tuple[str, int], int]:
+        """Log-end offsets. A partition whose leader is moving (a broker restart, a topic just
+        created) is asked again after a short pause rather than failing the whole refresh."""
+        out: dict[tuple[str, int], int] = {}
+        pending = set(tps)
+        for attempt in range(attempts):
+            if not pending:
+                break
+            self.round_trips += 1
+            futures = self.admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in pending},
+                                              request_timeout=self.request_timeout)
+            pending = set()
+            for tp, fut in futures.items():
+                try:
+                    out[(tp.topic, tp.partition)] = fut.result().offset
+                except KafkaException as exc:
+                    err = exc.args[0]
+                    if attempt + 1 == attempts or not _leader_moving(err):
+                        raise
+                    pending.add((tp.topic, tp.partition))
+            if pending:
+                time.sleep(0.2 * (attempt + 1))
+        return out
 
     def _oldest_timestamps(self, lagging: list[PartitionLag], timeout: float = 2.0) -> None:
         if not lagging:
