@@ -81,7 +81,9 @@ def test_undecodable_messages_go_to_the_dlq_with_original_bytes_and_reason(setti
     producer.produce(topic, Codec.default().encode_request(valid), b"tenant-x", partition=0)
     assert producer.flush(10) == 0
 
-    with running_worker(settings) as worker, LlmqClient(settings) as client:
+    # The client first: it reads responses from where the topic ends when it starts, and the
+    # request is already waiting, so a worker started first could answer before it listens.
+    with LlmqClient(settings) as client, running_worker(settings) as worker:
         assert client.result(valid.request_id, timeout=30).status is Status.COMPLETED
         letters = read_topic(settings.kafka.bootstrap, settings.topics.dlq, until=lambda m: len(m) >= len(garbage))
         assert worker.stats.dead_lettered == len(garbage)
