@@ -70,13 +70,11 @@ class Outputs:
         self.sealed = False
         self.lock = threading.Lock()
 
-    def produce(self, topic: str, value: bytes, key: bytes | None, headers=None, partition: int | None = None,
-                then=None) -> None:
-        """Queue one output; ``then(msg)``, if given, runs in the delivery thread once it is delivered."""
+    def produce(self, topic: str, value: bytes, key: bytes | None, headers=None, partition: int | None = None) -> None:
+        """Queue one output."""
         producer = self.deliveries.producer
         self.produced += 1
-        on_delivery = self._on_delivery if then is None else (
-            lambda err, msg: (err is None and then(msg), self._on_delivery(err, msg)))
+        on_delivery = self._on_delivery
         extra = {} if partition is None else {"partition": partition}
         while True:
             try:

@@ -90,7 +90,7 @@ _LEADER_MOVING = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVA
 
 
 def _leader_moving(err) -> bool:
-    return err.code() in _LEADER_MOVING or bool(getattr(err, "retriable", lambda: False)())
+    return err.code() in _LEADER_MOVING or err.retriable()
 
 
 def band_topics(settings: Settings, band: Priority) -> set[str]:

@@ -82,7 +82,7 @@ class RecordingOutputs:
     def __init__(self):
         self.sent = []
 
-    def produce(self, topic, value, key, headers=None, partition=None, then=None):
+    def produce(self, topic, value, key, headers=None, partition=None):
         self.sent.append((topic, key, value, partition))
 
 
