@@ -77,3 +77,50 @@ def test_exactly_once_outcomes_of_a_lost_or_revoked_partition_are_dropped_not_pu
     worker._restart = True  # no transaction in this test: the revoke path commits nothing
     worker._on_revoke(worker.consumer, [TopicPartition(*revoked)])
     assert worker._ready == {}
+
+
+class FakeMessage:
+    def __init__(self, topic, partition, offset):
+        self._tp, self._offset = (topic, partition), offset
+
+    def error(self):
+        return None
+
+    def topic(self):
+        return self._tp[0]
+
+    def partition(self):
+        return self._tp[1]
+
+    def offset(self):
+        return self._offset
+
+
+def _take_a_deep_fetch(worker, topic):
+    worker.consumer.assigned = [TopicPartition(topic, 0)]
+    for offset in range(worker._backlog_cap + 10):
+        worker._take(FakeMessage(topic, 0, offset))
+    return worker._backlog[Priority.BACKGROUND.rank]
+
+
+def test_a_partition_whose_deep_fetch_is_started_at_once_stays_unpaused():
+    # pausing it would make librdkafka drop the rest of its prefetched messages and fetch them again
+    worker = _worker()
+    topic = worker.settings.topics.request_topic(Priority.BACKGROUND)
+    queue = _take_a_deep_fetch(worker, topic)
+    while queue:
+        queue.popleft()  # what dispatch does when the backend answers at once
+    worker._pause_deep()
+    assert worker.consumer.paused == set()
+
+
+def test_a_partition_whose_queue_is_still_full_after_dispatch_is_paused_and_resumed_at_half():
+    worker = _worker()
+    topic = worker.settings.topics.request_topic(Priority.BACKGROUND)
+    queue = _take_a_deep_fetch(worker, topic)
+    worker._pause_deep()
+    assert worker.consumer.paused == {(topic, 0)}
+    while len(queue) > worker._backlog_cap // 2:
+        queue.popleft()
+    worker._resume_drained()
+    assert worker.consumer.paused == set()
