@@ -264,17 +264,20 @@ def rate_limit_accuracy(settings: Settings, args) -> dict:
 
 
 def _critical_waits(settings: Settings, flood_factor: float, capacity: float, seconds: float, *,
-                    fifo: bool, tmp: Path) -> list[tuple[int, int]]:
-    """(ms since the first CRITICAL request was created, its wait) for every CRITICAL request."""
+                    fifo: bool, tmp: Path, gateway: bool = True) -> list[tuple[int, int, int | None]]:
+    """(ms since the first CRITICAL request was created, its wait, the part of it spent until the
+    gateway admitted it) for every CRITICAL request. ``fifo``: one topic for all; without
+    ``gateway``: each band's request topic read by the worker directly."""
     s = fresh(settings)
-    if fifo:
+    if fifo or not gateway:
         s.worker.source = "requests"
         s.worker.pool = "all"
-    gw = None if fifo else GatewayProcess(s, GENEROUS.format(extra="high_load = 10\ndegrade_load = 10",
-                                                             rps=10**9, outstanding=0), tmp)
+    gw = None if fifo or not gateway else GatewayProcess(
+        s, GENEROUS.format(extra="high_load = 10\ndegrade_load = 10", rps=10**9, outstanding=0), tmp)
     workers = ThreadWorkers(s, 1, latency_ms=10, inflight=int(capacity * 0.010))
     try:
-        warm_up(s, bands=(Priority.NORMAL,) if fifo else (Priority.CRITICAL, Priority.BACKGROUND))
+        warm_up(s, bands=(Priority.NORMAL,) if fifo else (Priority.CRITICAL, Priority.BACKGROUND),
+                tenants=["vip"] + [f"bulk-{i}" for i in range(50)])
         crit_rate = 20
         events = [(i / crit_rate, "crit") for i in range(int(seconds * crit_rate))]
         flood_rate = flood_factor * capacity
@@ -302,7 +305,8 @@ def _critical_waits(settings: Settings, flood_factor: float, capacity: float, se
             got = read_all(s, s.topics.responses, codec.decode_response, expect=10**9, timeout=2)
             answered = [r for r in got if r.request_id in ids and r.started_at]
         t0 = min((r.created_at for r in answered), default=0)
-        return [(r.created_at - t0, r.started_at - r.created_at) for r in answered]
+        return [(r.created_at - t0, r.started_at - r.created_at,
+                 r.admitted_at - r.created_at if r.admitted_at else None) for r in answered]
     finally:
         workers.stop()
         if gw:
@@ -313,19 +317,33 @@ def priority_isolation(settings: Settings, args) -> dict:
     # One worker: 2 slots x 10 ms = 200 requests/s; the flood (600/s) stays within what the
     # gateway admits, so the measure is the pipeline's ordering, not the gateway's intake.
     # The ratio is the steady state (the first 2 s of each run left out, alone and flooded
-    # alike); the first seconds of a flood are reported beside it.
+    # alike); the first seconds of a flood are reported beside it. The wait is split at the
+    # gateway's admission, and the same flood is also sent to a worker reading the request
+    # topics itself: which part of the pipeline the flood slows.
     capacity, seconds, onset_ms = 200.0, 12, 2000
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {name: _critical_waits(settings, factor, capacity, seconds, fifo=fifo, tmp=Path(tmp))
-                for name, factor, fifo in (("alone", 0, False), ("flood", 3, False), ("fifo_alone", 0, True),
-                                           ("fifo_flood", 3, True))}
-    steady = {name: p99([w for at, w in waits if at >= onset_ms]) for name, waits in runs.items()}
-    whole = {name: p99([w for _, w in waits]) for name, waits in runs.items()}
-    alone, flood = steady["alone"], steady["flood"]
+        runs = {name: _critical_waits(settings, factor, capacity, seconds, fifo=fifo, gateway=gateway, tmp=Path(tmp))
+                for name, factor, fifo, gateway in (
+                    ("alone", 0, False, True), ("flood", 3, False, True), ("fifo_alone", 0, True, False),
+                    ("fifo_flood", 3, True, False), ("worker_alone", 0, False, False),
+                    ("worker_flood", 3, False, False))}
+    steady = {name: [w for w in waits if w[0] >= onset_ms] for name, waits in runs.items()}
+    p99_wait = {name: p99([w[1] for w in waits]) for name, waits in steady.items()}
+    whole = {name: p99([w[1] for w in waits]) for name, waits in runs.items()}
+    alone, flood = p99_wait["alone"], p99_wait["flood"]
+
+    def split(name):
+        return {"until_admitted_ms": p99([w[2] for w in steady[name]]),
+                "admitted_to_started_ms": p99([w[1] - w[2] for w in steady[name]])}
+
     return {"critical_p99_alone_ms": alone, "critical_p99_flood_ms": flood,
             "ratio": round(flood / max(alone, 1), 3),
-            "baseline_fifo_ratio": round(steady["fifo_flood"] / max(steady["fifo_alone"], 1), 3),
-            "baseline_fifo_p99_alone_ms": steady["fifo_alone"], "baseline_fifo_p99_flood_ms": steady["fifo_flood"],
+            "baseline_fifo_ratio": round(p99_wait["fifo_flood"] / max(p99_wait["fifo_alone"], 1), 3),
+            "baseline_fifo_p99_alone_ms": p99_wait["fifo_alone"], "baseline_fifo_p99_flood_ms": p99_wait["fifo_flood"],
+            "p99_split": {"alone": split("alone"), "flood": split("flood")},
+            "worker_only": {"critical_p99_alone_ms": p99_wait["worker_alone"],
+                            "critical_p99_flood_ms": p99_wait["worker_flood"],
+                            "ratio": round(p99_wait["worker_flood"] / max(p99_wait["worker_alone"], 1), 3)},
             "including_onset": {"critical_p99_alone_ms": whole["alone"], "critical_p99_flood_ms": whole["flood"],
                                 "ratio": round(whole["flood"] / max(whole["alone"], 1), 3)},
             "critical_samples": {name: len(w) for name, w in runs.items()},

@@ -36,6 +36,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 from pipeline.broker import LocalBroker  # noqa: E402
 from pipeline.config import Settings  # noqa: E402
 from pipeline.models import Priority, Request  # noqa: E402
+from pipeline.runtime import freeze_long_lived  # noqa: E402
 from pipeline.serde import Codec  # noqa: E402
 from pipeline.testing import produce_request  # noqa: E402
 from pipeline.topics import TopicSpec, create_pipeline_topics, ensure_topics  # noqa: E402
@@ -383,6 +384,8 @@ def main(argv=None) -> int:
         _log(f"starting a benchmark broker at {broker.bootstrap}")
         broker.up()
         bootstrap = broker.bootstrap
+    # As `llmq worker` does at start (the workers measured here run in this process).
+    freeze_long_lived("bench")
     results = {}
     try:
         for name in chosen:

@@ -100,6 +100,7 @@ def cmd_topics(args) -> int:
 def cmd_worker(args) -> int:
     from pipeline.observability.metrics import serve
     from pipeline.worker.backends.factory import make_backend
+    from pipeline.runtime import freeze_long_lived
     from pipeline.worker.loop import Worker
 
     settings = _settings(args)
@@ -115,6 +116,7 @@ def cmd_worker(args) -> int:
     worker = Worker(settings, backend, topics=topics)
     if serve(worker.metrics.registry, w.metrics_port, w.metrics_addr):
         log.info("metrics on http://%s:%d/metrics", w.metrics_addr, w.metrics_port)
+    freeze_long_lived("worker")
     worker.run()
     return 0
 

@@ -54,6 +54,7 @@ from pipeline.policy.admission import Action, Admission, DegradePolicy
 from pipeline.policy.fairness import FairnessQuotas
 from pipeline.policy.queues import QueueModel
 from pipeline.policy.ratelimit import RateLimiter
+from pipeline.runtime import freeze_long_lived
 from pipeline.serde.factory import codec_for
 from pipeline.topics import TopicSpec, ensure_topics
 
@@ -689,8 +690,14 @@ class Gateway:
     def run(self, loglevel: str = "INFO") -> None:
         """Run until SIGTERM/SIGINT (then: finish the batch, commit, leave the group). Exits the process."""
         self.ensure_internal_topics()
-        worker = faust.Worker(self.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+        worker = _GatewayWorker(self.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
         worker.execute_from_commandline()
+
+
+class _GatewayWorker(faust.Worker):
+    async def on_startup_finished(self) -> None:
+        await super().on_startup_finished()
+        freeze_long_lived("gateway")  # tables are recovered by now
 
 
 class _Intake:

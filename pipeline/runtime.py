@@ -1,0 +1,28 @@
+"""Process-wide settings of a long-running llmq service (the gateway, a worker)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+
+def freeze_long_lived(service: str) -> int:
+    """Take what exists once a service is ready out of the cyclic collector's reach.
+
+    Modules, the app, its clients and the state restored at start live as long as the process,
+    yet every full collection traverses them again. On the gateway a full collection under
+    load took ~120 ms (measured: ~90,000 tracked objects on a busy 2-core machine), long
+    enough to show as the CRITICAL band's p99. Collected first, so no garbage is kept;
+    ``gc.freeze`` leaves reference counting untouched: a frozen object is still freed when
+    nothing refers to it, only a cycle among frozen objects is never collected.
+    """
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.info("%s: %d long-lived objects left out of garbage collection (%.0f ms)",
+             service, frozen, (time.perf_counter() - t0) * 1000)
+    return frozen
