@@ -14,7 +14,8 @@ def test_freezing_keeps_what_exists_out_of_collections_but_collects_garbage_firs
     del garbage
     try:
         frozen = freeze_long_lived("test")
-        assert frozen == gc.get_freeze_count() > 0
+        # other threads of the session may free frozen objects meanwhile: counts only shrink
+        assert 0 < gc.get_freeze_count() <= frozen
         assert gone() is None
     finally:
         gc.unfreeze()
