@@ -43,7 +43,7 @@ def _broker(args, settings: Settings):
     b = settings.broker
     return LocalBroker(args.port or b.port, args.data_dir or b.data_dir, kafka_version=b.kafka_version,
                        heap=b.heap, cache_dir=b.cache_dir, progress=lambda m: print(m, file=sys.stderr),
-                       secure=getattr(args, "secure", False))
+                       secure=getattr(args, "secure", False), jvm_options=b.jvm_options)
 
 
 def cmd_broker(args) -> int:

@@ -426,6 +426,9 @@ class BrokerSettings:
     kafka_version: str = "4.4.0"
     #: Where the Kafka jars are cached; empty = $XDG_CACHE_HOME/llmq or ~/.cache/llmq.
     cache_dir: str = ""
+    #: More JVM options for the broker, space-separated (as KAFKA_OPTS of Kafka's scripts);
+    #: the default keeps the JIT to its quick tier (see pipeline.broker.DEFAULT_JVM_OPTIONS).
+    jvm_options: str = "-XX:TieredStopAtLevel=1"
 
 
 @dataclass

@@ -102,7 +102,7 @@ def run_demo(settings: Settings, requests: int = 3000, workers: int = 2, sim_lat
             b = settings.broker
             host, _, port = settings.kafka.bootstrap.rpartition(":")
             broker = LocalBroker(int(port), b.data_dir, kafka_version=b.kafka_version, heap=b.heap,
-                                 cache_dir=b.cache_dir, progress=_say)
+                                 cache_dir=b.cache_dir, progress=_say, jvm_options=b.jvm_options)
             _say(f"starting a local Kafka {b.kafka_version} broker at {broker.bootstrap}")
             st = broker.up()
             started_broker = broker

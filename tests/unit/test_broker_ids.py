@@ -18,3 +18,13 @@ def test_a_cluster_id_never_starts_with_a_dash_which_the_storage_tool_reads_as_a
 
 def test_cluster_ids_are_random():
     assert len({new_cluster_id() for _ in range(100)}) == 100
+
+
+def test_the_broker_settings_default_jvm_options_are_the_local_brokers():
+    from pipeline.broker import DEFAULT_JVM_OPTIONS, LocalBroker
+    from pipeline.config import Settings
+
+    assert Settings().broker.jvm_options == DEFAULT_JVM_OPTIONS
+    assert LocalBroker(9092, "/tmp/unused").jvm_options == DEFAULT_JVM_OPTIONS.split()
+    assert LocalBroker(9092, "/tmp/unused", jvm_options="-XX:+UseParallelGC -Dx=1").jvm_options == [
+        "-XX:+UseParallelGC", "-Dx=1"]
