@@ -99,8 +99,8 @@ def cmd_topics(args) -> int:
 
 def cmd_worker(args) -> int:
     from pipeline.observability.metrics import serve
-    from pipeline.worker.backends.factory import make_backend
     from pipeline.runtime import freeze_long_lived
+    from pipeline.worker.backends.factory import make_backend
     from pipeline.worker.loop import Worker
 
     settings = _settings(args)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from pipeline.broker import DEFAULT_JVM_OPTIONS
 from pipeline.errors import ConfigError
 from pipeline.models import Priority
 from pipeline.serde.limits import SerdeLimits
@@ -427,8 +428,8 @@ class BrokerSettings:
     #: Where the Kafka jars are cached; empty = $XDG_CACHE_HOME/llmq or ~/.cache/llmq.
     cache_dir: str = ""
     #: More JVM options for the broker, space-separated (as KAFKA_OPTS of Kafka's scripts);
-    #: the default keeps the JIT to its quick tier (see pipeline.broker.DEFAULT_JVM_OPTIONS).
-    jvm_options: str = "-XX:TieredStopAtLevel=1"
+    #: the default keeps the JIT to its quick tier (why: pipeline.broker.DEFAULT_JVM_OPTIONS).
+    jvm_options: str = DEFAULT_JVM_OPTIONS
 
 
 @dataclass
