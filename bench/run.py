@@ -38,12 +38,14 @@ from pipeline.config import Settings  # noqa: E402
 from pipeline.models import Priority, Request  # noqa: E402
 from pipeline.runtime import freeze_long_lived  # noqa: E402
 from pipeline.serde import Codec  # noqa: E402
-from pipeline.testing import produce_request  # noqa: E402
 from pipeline.topics import TopicSpec, create_pipeline_topics, ensure_topics  # noqa: E402
 from pipeline.worker.backends.simulated import SimulatedBackend  # noqa: E402
 from pipeline.worker.loop import Worker  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results.json"
+SCALING_TENANTS = 1000
+SCALING_MODEL_MS = 40
+SCALING_INFLIGHT = 16
 
 
 def _free_port() -> int:
@@ -59,15 +61,26 @@ def _log(msg: str) -> None:
 # -- worker_throughput ------------------------------------------------------------------------
 
 
-def _fill_requests(settings: Settings, n: int, prompt_bytes: int) -> None:
+def _fill_requests(settings: Settings, n: int, prompt_bytes: int, tenants: int = 50) -> None:
+    """``n`` NORMAL requests from ``tenants`` tenants in turn, encoded first and then produced
+    as bytes: building and encoding a request in Python is slower than a worker takes one, so
+    where workers consume while this runs (worker_scaling) an encode-as-you-go fill would be
+    what is measured."""
     codec = Codec.default()
-    producer = Producer(settings.kafka.producer_config(**{"linger.ms": 20}))
     prompt = ("lorem ipsum dolor sit amet " * (prompt_bytes // 27 + 1))[:prompt_bytes]
     topic = settings.topics.request_topic(Priority.NORMAL)
-    for i in range(n):
-        req = Request.new(f"tenant-{i % 50}", prompt, priority=Priority.NORMAL, max_tokens=16,
-                          timeout_ms=24 * 3600 * 1000)
-        produce_request(producer, settings, codec, req, topic)
+    keys = [f"tenant-{t}".encode() for t in range(tenants)]
+    values = [codec.encode_request(Request.new(f"tenant-{i % tenants}", prompt, priority=Priority.NORMAL,
+                                               max_tokens=16, timeout_ms=24 * 3600 * 1000))
+              for i in range(n)]
+    producer = Producer(settings.kafka.producer_config(**{"linger.ms": 20}))
+    for i, value in enumerate(values):
+        while True:
+            try:
+                producer.produce(topic, value, keys[i % tenants])
+                break
+            except BufferError:
+                producer.poll(0.02)
     assert producer.flush(60) == 0
 
 
@@ -223,12 +236,14 @@ def _group_members(settings: Settings, group: str) -> int:
     return sum(1 for m in desc.members if m.assignment.topic_partitions)
 
 
-def _worker_processes(settings: Settings, count: int, n: int, prompt_bytes: int) -> float:
+def _worker_processes(settings: Settings, count: int, n: int, prompt_bytes: int, **worker: str) -> float:
     """``count`` worker processes in one group, joined before any request exists; the rate is
-    n / (last response − first response), from the responses' broker timestamps."""
+    n / (last response − first response), from the responses' broker timestamps. ``worker``:
+    more worker settings (LLMQ_WORKER__<KEY>)."""
     group = f"bench-scale-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "LLMQ_BOOTSTRAP": settings.kafka.bootstrap, "LLMQ_TOPICS__PREFIX": settings.topics.prefix,
-           "LLMQ_WORKER__GROUP_ID": group, "LLMQ_WORKER__METRICS_PORT": "0"}
+           "LLMQ_WORKER__GROUP_ID": group, "LLMQ_WORKER__METRICS_PORT": "0",
+           **{f"LLMQ_WORKER__{k.upper()}": v for k, v in worker.items()}}
     procs = [subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "WARNING", "worker",
                                "--worker-id", f"{group}-{i}"], env=env, stdin=subprocess.DEVNULL)
              for i in range(count)]
@@ -238,7 +253,9 @@ def _worker_processes(settings: Settings, count: int, n: int, prompt_bytes: int)
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise RuntimeError(f"{count} workers did not join group {group}")
             time.sleep(0.5)
-        _fill_requests(settings, n, prompt_bytes)
+        # Many tenants: 50 tenant keys put 68 % of the requests on partitions 0-2 of 6, so
+        # the worker holding those would set the pace, not the number of workers.
+        _fill_requests(settings, n, prompt_bytes, tenants=SCALING_TENANTS)
         return n / _response_span_s(settings, n)
     finally:
         for p in procs:
@@ -272,21 +289,39 @@ def _response_span_s(settings: Settings, n: int, timeout: float = 300.0) -> floa
         consumer.close()
 
 
-def scenario_worker_scaling(settings: Settings, args) -> dict:
-    n = args.messages
+def _one_vs_two(settings: Settings, rounds: int, n: int, prompt_bytes: int, label: str, **worker: str):
     one, two = [], []
-    for r in range(args.rounds):
+    for r in range(rounds):
         for count, into in ((1, one), (2, two)):
             # Fresh topics each time: each run's responses are only its own.
             settings.topics.prefix = f"bench{uuid.uuid4().hex[:6]}.llm"
             create_pipeline_topics(settings)
-            into.append(_worker_processes(settings, count, n, args.prompt_bytes))
-        _log(f"  round {r + 1}/{args.rounds}: one worker {one[-1]:,.0f} msg/s   two workers {two[-1]:,.0f} msg/s")
+            into.append(_worker_processes(settings, count, n, prompt_bytes, **worker))
+        _log(f"  {label} round {r + 1}/{rounds}: one worker {one[-1]:,.0f} msg/s   two workers {two[-1]:,.0f} msg/s")
+    return one, two
+
+
+def scenario_worker_scaling(settings: Settings, args) -> dict:
+    n = args.messages
+    one, two = _one_vs_two(settings, args.rounds, n, args.prompt_bytes, "0-ms model:")
     one_m, two_m = statistics.median(one), statistics.median(two)
+    # LLM workers wait on the model, not on the CPU: a model taking SCALING_MODEL_MS a call,
+    # SCALING_INFLIGHT calls at a time per worker, is what a second worker should double.
+    m_rounds = min(args.rounds, 3)
+    m_n = SCALING_INFLIGHT * 1000 // SCALING_MODEL_MS * 8  # about 8 s for one worker
+    m_one, m_two = _one_vs_two(settings, m_rounds, m_n, args.prompt_bytes, f"{SCALING_MODEL_MS}-ms model:",
+                               sim_latency_ms=str(SCALING_MODEL_MS), max_inflight=str(SCALING_INFLIGHT))
+    m_one_m, m_two_m = statistics.median(m_one), statistics.median(m_two)
     return {"one_worker_msgs_per_s": round(one_m), "two_workers_msgs_per_s": round(two_m),
             "ratio": round(two_m / one_m, 3), "cpus": os.cpu_count(), "rounds": args.rounds, "messages": n,
             "one_worker_runs": [round(x) for x in one], "two_workers_runs": [round(x) for x in two],
-            "note": "worker processes and the broker share the machine's cores"}
+            "tenants": SCALING_TENANTS,
+            "note": "0-ms model: the workers and the broker share the machine's cores",
+            "model_bound": {"model_ms": SCALING_MODEL_MS, "max_inflight": SCALING_INFLIGHT, "messages": m_n,
+                            "rounds": m_rounds, "one_worker_msgs_per_s": round(m_one_m),
+                            "two_workers_msgs_per_s": round(m_two_m), "ratio": round(m_two_m / m_one_m, 3),
+                            "one_worker_runs": [round(x) for x in m_one],
+                            "two_workers_runs": [round(x) for x in m_two]}}
 
 
 def _raw_out_topic(settings: Settings) -> str:

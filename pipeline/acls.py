@@ -6,7 +6,8 @@
 | consumer    | read the response topic (the SDK assigns partitions: no group needed)        |
 | client      | producer + consumer (an upstream service that submits and awaits)            |
 | worker      | read request/dispatch/cancellation topics, write responses and dead letters, |
-|             | its groups (llmq-workers, llmq-pool-*), its transactional ids (llmq-worker-*)|
+|             | its groups (llmq-workers, llmq-pool-*; their session configs under the       |
+|             | consumer group protocol), its transactional ids (llmq-worker-*)              |
 | gateway     | read requests/responses/cancellations, write dispatch/responses/dead letters,|
 |             | its group, changelog topics and transactional ids (llmq-gateway*)            |
 | lagexporter | describe topics and llmq-* groups (read nothing)                              |
@@ -28,6 +29,7 @@ from pipeline.config import Settings
 from pipeline.errors import KafkaOperationError
 
 R, W, D = AclOperation.READ, AclOperation.WRITE, AclOperation.DESCRIBE
+_GC = AclOperation.ALTER_CONFIGS
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,9 @@ def role_grants(settings: Settings) -> dict[str, list[Grant]]:
         "worker": [
             _topic(requests, R, D, prefixed=True), _topic(dispatch, R, D, prefixed=True),
             _topic(cancellations, R, D), _topic(t.responses, W, D), _topic(t.dlq, W, D),
-            _group(settings.worker.group_id, R), _group("llmq-pool-", R, prefixed=True), _txn("llmq-worker-"),
+            # ALTER_CONFIGS: each worker sets its group's session (pipeline.worker.membership).
+            _group(settings.worker.group_id, R, _GC), _group("llmq-pool-", R, _GC, prefixed=True),
+            _txn("llmq-worker-"),
             _IDEMPOTENT,
         ],
         "gateway": [

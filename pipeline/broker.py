@@ -346,6 +346,12 @@ class LocalBroker:
             "share.coordinator.state.topic.replication.factor": "1",
             "share.coordinator.state.topic.min.isr": "1",
             "group.initial.rebalance.delay.ms": "0",
+            # Consumer-protocol groups (KIP-848) may ask for a short session, as a test or a
+            # demo wants: a crashed worker's partitions move in seconds (workers set their
+            # group's consumer.session.timeout.ms); heartbeats carry new assignments.
+            "group.consumer.min.session.timeout.ms": "3000",
+            "group.consumer.min.heartbeat.interval.ms": "500",
+            "group.consumer.heartbeat.interval.ms": "1000",
             "auto.create.topics.enable": "false",
             "log.retention.hours": "24",
             "log.segment.bytes": str(256 * 1024 * 1024),

@@ -102,13 +102,15 @@ class KafkaSettings:
         return {**self.common_config(), **_PRODUCER_DEFAULTS, **overrides, **self.properties}
 
     def consumer_config(self, group_id: str, **overrides: Any) -> dict[str, Any]:
-        return {
+        """An override of None removes the property (llmq's default included)."""
+        conf = {
             **self.common_config(),
             **_CONSUMER_DEFAULTS,
             "group.id": group_id,
             **overrides,
             **self.properties,
         }
+        return {k: v for k, v in conf.items() if v is not None}
 
     def aiokafka_config(self) -> dict[str, Any]:
         """The same connection settings for aiokafka (Faust's kafka:// driver)."""
@@ -240,7 +242,18 @@ class WorkerSettings:
     #: librdkafka max.poll.interval.ms for workers; the loop never blocks on the backend.
     max_poll_interval_ms: int = 300_000
     #: How long a silent (crashed, frozen) worker keeps its partitions before the group moves them.
+    #: Classic protocol: the consumer's session.timeout.ms. Consumer protocol: the group's
+    #: consumer.session.timeout.ms, set by each worker at start (the broker bounds it with
+    #: group.consumer.min/max.session.timeout.ms; if it refuses, its default applies, logged).
     session_timeout_ms: int = 45_000
+    #: Consumer group protocol. "consumer" (KIP-848, brokers >= Kafka 4.0): the broker assigns
+    #: partitions, incrementally, with group_remote_assignor. "classic" (older brokers):
+    #: cooperative-sticky, which balances only the number of partitions per worker, so a worker
+    #: that joins a running pool can be given whole bands while another keeps the busy one.
+    group_protocol: str = "consumer"
+    #: Broker-side assignor under the consumer protocol: "range" gives every worker of a pool a
+    #: share of every band's partitions; "uniform" (the broker's default) balances only counts.
+    group_remote_assignor: str = "range"
     #: "at-least-once" (commit after the broker acknowledged each response) or "exactly-once"
     #: (responses and offsets in one transaction per commit interval; read responses with
     #: isolation.level=read_committed).
@@ -264,6 +277,14 @@ class WorkerSettings:
         if self.pool != "all" and self.group_id == WorkerSettings.group_id:
             return f"llmq-pool-{self.pool}"
         return self.group_id
+
+    def membership_config(self) -> dict[str, Any]:
+        """The consumer properties of the group protocol; None removes a property, as librdkafka
+        refuses the classic protocol's under the consumer protocol."""
+        if self.group_protocol == "classic":
+            return {"session.timeout.ms": self.session_timeout_ms}
+        return {"group.protocol": "consumer", "group.remote.assignor": self.group_remote_assignor,
+                "partition.assignment.strategy": None}
 
 
 @dataclass
@@ -543,6 +564,10 @@ class Settings:
         if sum(shares.values()) >= 1:
             raise ConfigError("worker.band_min_share", "the minimum shares must add up to less than 1")
         self.worker.band_min_share = shares
+        if self.worker.group_protocol not in ("consumer", "classic"):
+            raise ConfigError("worker.group_protocol", "must be 'consumer' (KIP-848, Kafka >= 4.0) or 'classic'")
+        if not self.worker.group_remote_assignor:
+            raise ConfigError("worker.group_remote_assignor", "must name a broker-side assignor, e.g. 'range'")
         if self.worker.delivery not in ("at-least-once", "exactly-once"):
             raise ConfigError("worker.delivery", "must be 'at-least-once' or 'exactly-once'")
         positive("worker.transaction_timeout_ms", self.worker.transaction_timeout_ms)

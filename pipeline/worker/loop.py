@@ -39,6 +39,7 @@ from pipeline.serde import Codec
 from pipeline.serde.factory import codec_for
 from pipeline.worker.backends.base import Backend, Completion
 from pipeline.worker.backlog import PartitionQueues
+from pipeline.worker.membership import apply_group_session
 from pipeline.worker.offsets import OffsetTracker, decode_done
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,8 @@ class Worker:
         return self.stats
 
     async def _main(self) -> None:
+        if self.cfg.group_protocol == "consumer":
+            apply_group_session(self.settings, self.group_id)
         while True:
             await self._session()
             if not self._restart or self._stop.is_set() or self._fatal is not None:
@@ -179,7 +182,7 @@ class Worker:
                          "message.max.bytes": MAX_DEAD_LETTER_BYTES + 65536}
         consumer_conf = {"client.id": f"llmq-worker-{self.worker_id}",
                          "max.poll.interval.ms": cfg.max_poll_interval_ms,
-                         "session.timeout.ms": cfg.session_timeout_ms,
+                         **cfg.membership_config(),
                          "on_commit": self._on_commit}
         if self.exactly_once:
             # A stable id per worker: a restarted worker fences its predecessor and aborts its

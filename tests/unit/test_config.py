@@ -47,6 +47,8 @@ def test_passthrough_properties_win_over_llmq_defaults():
     ({"LLMQ_NOSECTION__X": "1"}, "LLMQ_NOSECTION__X"),
     ({"LLMQ_SERDE__WIRE_FORMAT": "confluent"}, "serde.registry_url"),
     ({"LLMQ_TOPICS__REQUEST_PARTITIONS": "-1"}, "topics.request_partitions"),
+    ({"LLMQ_WORKER__GROUP_PROTOCOL": "eager"}, "worker.group_protocol"),
+    ({"LLMQ_WORKER__GROUP_REMOTE_ASSIGNOR": ""}, "worker.group_remote_assignor"),
 ])
 def test_invalid_settings_are_refused_naming_the_key(env, key):
     with pytest.raises(ConfigError) as info:
@@ -118,3 +120,24 @@ def test_invalid_gateway_settings_are_refused_naming_the_key(tmp_path, toml, key
 def test_workers_behind_the_gateway_consume_the_dispatch_topics():
     s = Settings.load(env={})
     assert s.topics.pool_topics("realtime", "dispatch") == ["llm.dispatch.critical", "llm.dispatch.high"]
+
+
+def test_workers_use_the_consumer_group_protocol_with_the_range_assignor_by_default():
+    s = Settings.load(env={})
+    conf = s.kafka.consumer_config("g", **s.worker.membership_config())
+    assert conf["group.protocol"] == "consumer" and conf["group.remote.assignor"] == "range"
+    # librdkafka refuses the classic protocol's properties under the consumer protocol.
+    assert "partition.assignment.strategy" not in conf and "session.timeout.ms" not in conf
+
+
+def test_the_classic_group_protocol_keeps_the_client_side_session_timeout():
+    s = Settings.load(env={"LLMQ_WORKER__GROUP_PROTOCOL": "classic", "LLMQ_WORKER__SESSION_TIMEOUT_MS": "6000"})
+    conf = s.kafka.consumer_config("g", **s.worker.membership_config())
+    assert conf["session.timeout.ms"] == 6000
+    assert conf["partition.assignment.strategy"] == "cooperative-sticky"
+    assert "group.protocol" not in conf
+
+
+def test_a_none_override_removes_a_default_consumer_property():
+    conf = Settings.load(env={}).kafka.consumer_config("g", **{"fetch.wait.max.ms": None})
+    assert "fetch.wait.max.ms" not in conf

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -52,13 +53,17 @@ def settings_for(broker: LocalBroker, role: str, prefix: str) -> Settings:
     return s
 
 
-def test_the_pipeline_runs_end_to_end_over_sasl_ssl_with_one_principal_per_role(secure_broker, prefix):
+def test_the_pipeline_runs_end_to_end_over_sasl_ssl_with_one_principal_per_role(secure_broker, prefix, caplog):
+    caplog.set_level(logging.INFO, logger="pipeline.worker.membership")
     worker_settings = settings_for(secure_broker, "worker", prefix)
     assert worker_settings.kafka.consumer_config("g")["security.protocol"] == "SASL_SSL"
     with running_worker(worker_settings), LlmqClient(settings_for(secure_broker, "client", prefix)) as client:
         for band in Priority:
             resp = client.submit_and_wait(Request.new("tenant-secure", f"over TLS {band}", priority=band), timeout=60)
             assert resp.status is Status.COMPLETED, resp.reason
+    # The worker principal may set its group's session (consumer group protocol).
+    assert "could not set group" not in caplog.text
+    assert f"group {worker_settings.worker.group_id}: consumer.session.timeout.ms=" in caplog.text
 
 
 def test_the_lag_exporter_describes_groups_without_reading_topics(secure_broker, prefix):

@@ -1,0 +1,83 @@
+"""Several workers of one pool share the work: every band's partitions, not just a partition count."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
+
+from pipeline.models import Priority, Request
+from pipeline.serde import Codec
+from pipeline.worker.backends.simulated import SimulatedBackend
+from tests.integration.harness import read_topic, running_worker
+
+
+def _bands_held(worker) -> dict[str, int]:
+    held = collections.Counter()
+    for tp in worker.consumer.assignment() if worker.consumer is not None else []:
+        held[tp.topic.rsplit(".", 1)[-1]] += 1
+    return dict(held)
+
+
+def _wait_until(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout:.0f} s: {what}")
+
+
+def _settled(workers, partitions: int) -> bool:
+    owned = [tp for w in workers if w.consumer is not None for tp in w.consumer.assignment()]
+    return len(owned) == partitions and len(set(owned)) == partitions and all(_bands_held(w) for w in workers)
+
+
+def test_a_worker_joining_a_running_pool_gets_a_share_of_every_band(settings):
+    # The classic protocol's cooperative-sticky assignor balances only how many partitions each
+    # member has: the second worker got whole bands while the first kept NORMAL and LOW.
+    total = len(Priority) * settings.topics.request_partitions
+    with running_worker(settings, worker_id="first") as first:
+        _wait_until(lambda: _settled([first], total), 30, "the first worker owns every partition")
+        with running_worker(settings, worker_id="second") as second:
+            _wait_until(lambda: _settled([first, second], total), 30, "the two workers split the partitions")
+            for worker in (first, second):
+                assert set(_bands_held(worker)) == {p.value.lower() for p in Priority}, _bands_held(worker)
+
+
+def test_a_busy_band_is_answered_by_every_worker_of_the_pool(settings):
+    n = 240
+    codec = Codec.default()
+    total = len(Priority) * settings.topics.request_partitions
+    settings.worker.max_inflight = 2
+    # Model-bound workers (20 ms a call, two at a time), as LLM workers are: sharing the band
+    # is what makes a second worker worth having.
+    with running_worker(settings, SimulatedBackend(latency_ms=20), worker_id="first") as first:
+        _wait_until(lambda: _settled([first], total), 30, "the first worker owns every partition")
+        with running_worker(settings, SimulatedBackend(latency_ms=20), worker_id="second") as second:
+            _wait_until(lambda: _settled([first, second], total), 30, "the two workers split the partitions")
+            producer = Producer(settings.kafka.producer_config())
+            topic = settings.topics.request_topic(Priority.NORMAL)
+            for i in range(n):
+                req = Request.new(f"tenant-{i % 60}", f"p{i}", priority=Priority.NORMAL, max_tokens=2,
+                                  timeout_ms=600_000)
+                producer.produce(topic, codec.encode_request(req), req.tenant_id.encode())
+            assert producer.flush(30) == 0
+            msgs = read_topic(settings.kafka.bootstrap, settings.topics.responses, timeout=90,
+                              until=lambda ms: len(ms) >= n)
+    by_worker = collections.Counter(codec.decode_response(m.value()).worker_id for m in msgs)
+    assert sum(by_worker.values()) == n
+    assert min(by_worker["first"], by_worker["second"]) >= n // 5, by_worker
+
+
+def test_workers_set_their_groups_session_timeout_under_the_consumer_protocol(settings):
+    settings.worker.session_timeout_ms = 7_000
+    with running_worker(settings) as worker:
+        _wait_until(lambda: worker.consumer is not None and worker.consumer.assignment(), 30, "an assignment")
+    admin = AdminClient(settings.kafka.admin_config())
+    resource = ConfigResource(ResourceType.GROUP, settings.worker.group_id)
+    configs = admin.describe_configs([resource])[resource].result(15)
+    assert configs["consumer.session.timeout.ms"].value == "7000"
+    assert configs["consumer.heartbeat.interval.ms"].value == "2333"
