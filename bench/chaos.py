@@ -256,6 +256,14 @@ def run_mode(mode: str, broker: LocalBroker, args, rng: random.Random, log_dir: 
                     _log(f"[{mode}] broker up again after {time.monotonic() - t0 - at:.1f} s")
                     events.append({"t_s": at, "answered": answered, "fault": "broker restart",
                                    "down_s": round(time.monotonic() - t0 - at, 1)})
+                    # An assign()ed librdkafka consumer can stop fetching after a broker restart
+                    # (librdkafka#5153): read on with a fresh one rather than wait for the stall
+                    # check, or the faults planned late in the run come after its end.
+                    fresh = ResponseCounter(settings)
+                    fresh.start()
+                    fresh.settle()
+                    counter.stop()
+                    counter = fresh
                 else:
                     pause = SESSION_TIMEOUT_MS / 1000 + 4
                     _log(f"[{mode}] SIGSTOP {victim.worker_id} for {pause:.0f} s at {answered:,} answered")
