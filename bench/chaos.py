@@ -258,10 +258,10 @@ def run_mode(mode: str, broker: LocalBroker, args, rng: random.Random, log_dir: 
                                    "down_s": round(time.monotonic() - t0 - at, 1)})
                     # An assign()ed librdkafka consumer can stop fetching after a broker restart
                     # (librdkafka#5153): read on with a fresh one rather than wait for the stall
-                    # check, or the faults planned late in the run come after its end.
+                    # check, or the faults planned late in the run come after its end. Not
+                    # settled first: the workers are answering, so it would not go quiet.
                     fresh = ResponseCounter(settings)
                     fresh.start()
-                    fresh.settle()
                     counter.stop()
                     counter = fresh
                 else:
