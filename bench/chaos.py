@@ -88,6 +88,14 @@ def fill(settings: Settings, n: int, slow_calls: int) -> list[str]:
     return ids
 
 
+def _fresh_counter(settings: Settings, old: "ResponseCounter") -> "ResponseCounter":
+    """A new reader from the start of the response topic in place of ``old``."""
+    fresh = ResponseCounter(settings)
+    fresh.start()
+    old.stop()
+    return fresh
+
+
 class ResponseCounter(threading.Thread):
     """Counts responses per request id as a read_committed consumer sees them, while faults happen."""
 
@@ -257,13 +265,11 @@ def run_mode(mode: str, broker: LocalBroker, args, rng: random.Random, log_dir: 
                     events.append({"t_s": at, "answered": answered, "fault": "broker restart",
                                    "down_s": round(time.monotonic() - t0 - at, 1)})
                     # An assign()ed librdkafka consumer can stop fetching after a broker restart
-                    # (librdkafka#5153): read on with a fresh one rather than wait for the stall
-                    # check, or the faults planned late in the run come after its end. Not
-                    # settled first: the workers are answering, so it would not go quiet.
-                    fresh = ResponseCounter(settings)
-                    fresh.start()
-                    counter.stop()
-                    counter = fresh
+                    # (librdkafka#5153): read on with a fresh one (started once the broker has
+                    # settled a little) rather than wait for the stall check, or the faults
+                    # planned late in the run come after its end.
+                    time.sleep(2)
+                    counter = _fresh_counter(settings, counter)
                 else:
                     pause = SESSION_TIMEOUT_MS / 1000 + 4
                     _log(f"[{mode}] SIGSTOP {victim.worker_id} for {pause:.0f} s at {answered:,} answered")
@@ -278,15 +284,14 @@ def run_mode(mode: str, broker: LocalBroker, args, rng: random.Random, log_dir: 
                 # can stop fetching after a broker restart, librdkafka#5153), or is nothing
                 # readable (an open transaction holding the last stable offset)? A fresh reader
                 # tells them apart, and carries on in its place.
-                fresh = ResponseCounter(settings)
-                fresh.start()
-                fresh.settle()
+                # Not settled: while the workers answer, a reader never goes quiet, and waiting
+                # for that let the run end before the faults planned after the stall.
+                counter = _fresh_counter(settings, counter)
+                time.sleep(3)
                 _log(f"[{mode}] no new response for {args.stall_s:.0f} s at {answered:,} answered; a fresh "
-                     f"read_committed reader sees {len(fresh.counts):,}")
+                     f"read_committed reader sees {len(counter.counts):,} after 3 s")
                 events.append({"t_s": round(time.monotonic() - t0, 1), "stall": True, "reader_saw": answered,
-                               "fresh_reader_saw": len(fresh.counts)})
-                counter.stop()
-                counter = fresh
+                               "fresh_reader_saw_after_3_s": len(counter.counts)})
                 continue
             if time.monotonic() - last_report > 5:
                 last_report = time.monotonic()
