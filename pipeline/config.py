@@ -254,6 +254,11 @@ class WorkerSettings:
     #: Broker-side assignor under the consumer protocol: "range" gives every worker of a pool a
     #: share of every band's partitions; "uniform" (the broker's default) balances only counts.
     group_remote_assignor: str = "range"
+    #: Static membership (group.instance.id = the worker id): a worker restarted within the
+    #: session timeout gets its partitions back and nobody else's move (rolling restarts); one
+    #: that stops for good keeps its partitions until the session times out. Needs a worker_id
+    #: that survives restarts (a pod name), not the default <hostname>-<pid>.
+    static_membership: bool = False
     #: "at-least-once" (commit after the broker acknowledged each response) or "exactly-once"
     #: (responses and offsets in one transaction per commit interval; read responses with
     #: isolation.level=read_committed).

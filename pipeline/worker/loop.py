@@ -30,7 +30,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from pipeline.cancellations import CancellationView
 from pipeline.config import Settings
 from pipeline.dlq import H_TRUNCATED, MAX_DEAD_LETTER_BYTES, dead_letter_headers
-from pipeline.errors import BackendError, DecodeError, EncodeError, KafkaOperationError
+from pipeline.errors import BackendError, ConfigError, DecodeError, EncodeError, KafkaOperationError
 from pipeline.models import Priority, Request, Response, Status
 from pipeline.observability.metrics import TenantLabels, WorkerMetrics, reason_code
 from pipeline.policy.bands import BandScheduler
@@ -84,6 +84,9 @@ class Worker:
         # Request ids answered recently by this worker: a re-submitted id is answered once.
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._seen_max = self.cfg.dedupe_window
+        if self.cfg.static_membership and not (worker_id or self.cfg.worker_id):
+            raise ConfigError("worker.worker_id", "static_membership needs a worker id that survives restarts "
+                                                  "(a pod name); the default <hostname>-<pid> changes every time")
         self.worker_id = worker_id or self.cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.responses_topic = settings.topics.responses
         self.dlq_topic = settings.topics.dlq
@@ -184,6 +187,8 @@ class Worker:
                          "max.poll.interval.ms": cfg.max_poll_interval_ms,
                          **cfg.membership_config(),
                          "on_commit": self._on_commit}
+        if cfg.static_membership:
+            consumer_conf["group.instance.id"] = self.worker_id
         if self.exactly_once:
             # A stable id per worker: a restarted worker fences its predecessor and aborts its
             # open transaction at once instead of after transaction.timeout.ms.

@@ -81,3 +81,25 @@ def test_workers_set_their_groups_session_timeout_under_the_consumer_protocol(se
     configs = admin.describe_configs([resource])[resource].result(15)
     assert configs["consumer.session.timeout.ms"].value == "7000"
     assert configs["consumer.heartbeat.interval.ms"].value == "2333"
+
+
+def _owned(worker) -> set[tuple[str, int]]:
+    return {(tp.topic, tp.partition) for tp in worker.consumer.assignment()}
+
+
+def test_a_static_member_restarted_within_its_session_gets_its_partitions_back_and_nothing_moves(settings):
+    settings.worker.static_membership = True
+    settings.worker.session_timeout_ms = 30_000
+    total = len(Priority) * settings.topics.request_partitions
+    with running_worker(settings, worker_id="keeper") as keeper:
+        with running_worker(settings, worker_id="restarted") as first:
+            _wait_until(lambda: _settled([keeper, first], total), 30, "the two workers split the partitions")
+            kept, theirs = _owned(keeper), _owned(first)
+        # Stopped (a rolling restart): its partitions wait for it instead of moving to the keeper
+        # (which would hear of a move at its next heartbeat, 5 s apart with this session).
+        time.sleep(6)
+        assert _owned(keeper) == kept
+        with running_worker(settings, worker_id="restarted") as again:
+            _wait_until(lambda: again.consumer is not None and _owned(again) == theirs, 20,
+                        "the restarted worker gets its partitions back")
+            assert _owned(keeper) == kept

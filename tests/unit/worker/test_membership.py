@@ -8,3 +8,18 @@ def test_the_group_heartbeat_is_a_third_of_the_session():
 
 def test_the_group_heartbeat_never_exceeds_the_brokers_default():
     assert group_session_configs(45_000)["consumer.heartbeat.interval.ms"] == "5000"
+
+
+def test_static_membership_without_a_stable_worker_id_is_refused_naming_the_key():
+    import pytest
+
+    from pipeline.config import Settings
+    from pipeline.errors import ConfigError
+    from pipeline.worker.backends.simulated import SimulatedBackend
+    from pipeline.worker.loop import Worker
+
+    settings = Settings.load(env={"LLMQ_WORKER__STATIC_MEMBERSHIP": "true"})
+    with pytest.raises(ConfigError) as info:
+        Worker(settings, SimulatedBackend())
+    assert info.value.key == "worker.worker_id"
+    assert Worker(settings, SimulatedBackend(), worker_id="pod-7").worker_id == "pod-7"
