@@ -229,8 +229,13 @@ def scenario_worker_exactly_once(settings: Settings, args) -> dict:
 def _group_members(settings: Settings, group: str) -> int:
     from confluent_kafka.admin import AdminClient
 
+    from confluent_kafka import KafkaException
+
     admin = AdminClient(settings.kafka.admin_config())
-    desc = admin.describe_consumer_groups([group])[group].result(10)
+    try:
+        desc = admin.describe_consumer_groups([group])[group].result(10)
+    except KafkaException:  # e.g. NOT_COORDINATOR while the group coordinator loads: ask again
+        return 0
     if str(desc.state).split(".")[-1] != "STABLE":
         return 0
     return sum(1 for m in desc.members if m.assignment.topic_partitions)
