@@ -351,7 +351,7 @@ class LocalBroker:
             # group's consumer.session.timeout.ms); heartbeats carry new assignments.
             "group.consumer.min.session.timeout.ms": "3000",
             "group.consumer.min.heartbeat.interval.ms": "500",
-            "group.consumer.heartbeat.interval.ms": "1000",
+            "group.consumer.heartbeat.interval.ms": "500",
             "auto.create.topics.enable": "false",
             "log.retention.hours": "24",
             "log.segment.bytes": str(256 * 1024 * 1024),

@@ -24,10 +24,14 @@ BROKER_DEFAULT_HEARTBEAT_MS = 5000
 
 
 def group_session_configs(session_timeout_ms: int) -> dict[str, str]:
-    """The group configs for a session of ``session_timeout_ms``: heartbeats at a third of it
-    (at most the broker's default), so one late heartbeat never ends a session."""
-    heartbeat = max(1, min(BROKER_DEFAULT_HEARTBEAT_MS, session_timeout_ms // 3))
-    return {"consumer.session.timeout.ms": str(session_timeout_ms), "consumer.heartbeat.interval.ms": str(heartbeat)}
+    """The group configs for a session of ``session_timeout_ms``. The heartbeat interval is set
+    only for a session shorter than three of the broker's default heartbeats (one late heartbeat
+    must not end a session); otherwise the broker's own default stays, because heartbeats carry
+    assignments: a longer one than the broker's makes every join and rebalance wait for it."""
+    configs = {"consumer.session.timeout.ms": str(session_timeout_ms)}
+    if session_timeout_ms // 3 < BROKER_DEFAULT_HEARTBEAT_MS:
+        configs["consumer.heartbeat.interval.ms"] = str(max(1, session_timeout_ms // 3))
+    return configs
 
 
 def apply_group_session(settings: Settings, group_id: str, timeout_s: float = 15.0) -> bool:

@@ -96,7 +96,7 @@ def test_a_static_member_restarted_within_its_session_gets_its_partitions_back_a
             _wait_until(lambda: _settled([keeper, first], total), 30, "the two workers split the partitions")
             kept, theirs = _owned(keeper), _owned(first)
         # Stopped (a rolling restart): its partitions wait for it instead of moving to the keeper
-        # (which would hear of a move at its next heartbeat, 5 s apart with this session).
+        # (which would hear of a move at its next heartbeat, at most 5 s away on any broker).
         time.sleep(6)
         assert _owned(keeper) == kept
         with running_worker(settings, worker_id="restarted") as again:
