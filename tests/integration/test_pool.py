@@ -103,3 +103,14 @@ def test_a_static_member_restarted_within_its_session_gets_its_partitions_back_a
             _wait_until(lambda: again.consumer is not None and _owned(again) == theirs, 20,
                         "the restarted worker gets its partitions back")
             assert _owned(keeper) == kept
+
+
+def test_a_session_the_broker_refuses_is_logged_and_the_worker_runs_on(settings, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="pipeline.worker.membership")
+    settings.worker.session_timeout_ms = 1_000  # under the broker's group.consumer.min.session.timeout.ms
+    with running_worker(settings) as worker:
+        _wait_until(lambda: worker.consumer is not None and worker.consumer.assignment(), 30, "an assignment")
+    assert f"could not set group {settings.worker.group_id}'s session" in caplog.text
+    assert "the broker's defaults apply" in caplog.text
