@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition  # noqa: E402
 
 from pipeline.broker import LocalBroker  # noqa: E402
 from pipeline.config import Settings  # noqa: E402
@@ -228,8 +228,6 @@ def scenario_worker_exactly_once(settings: Settings, args) -> dict:
 
 def _group_members(settings: Settings, group: str) -> int:
     from confluent_kafka.admin import AdminClient
-
-    from confluent_kafka import KafkaException
 
     admin = AdminClient(settings.kafka.admin_config())
     try:
