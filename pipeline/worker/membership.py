@@ -23,15 +23,16 @@ log = logging.getLogger(__name__)
 BROKER_DEFAULT_HEARTBEAT_MS = 5000
 
 
-def group_session_configs(session_timeout_ms: int) -> dict[str, str]:
-    """The group configs for a session of ``session_timeout_ms``. The heartbeat interval is set
-    only for a session shorter than three of the broker's default heartbeats (one late heartbeat
-    must not end a session); otherwise the broker's own default stays, because heartbeats carry
-    assignments: a longer one than the broker's makes every join and rebalance wait for it."""
-    configs = {"consumer.session.timeout.ms": str(session_timeout_ms)}
+def group_session_configs(session_timeout_ms: int) -> dict[str, str | None]:
+    """The group configs for a session of ``session_timeout_ms`` (None: back to the broker's
+    default). The heartbeat interval is set only for a session shorter than three of the
+    broker's default heartbeats (one late heartbeat must not end a session); otherwise the
+    broker's own default applies, because heartbeats carry assignments: a longer one than the
+    broker's makes every join and rebalance wait for it."""
+    heartbeat = None
     if session_timeout_ms // 3 < BROKER_DEFAULT_HEARTBEAT_MS:
-        configs["consumer.heartbeat.interval.ms"] = str(max(1, session_timeout_ms // 3))
-    return configs
+        heartbeat = str(max(1, session_timeout_ms // 3))
+    return {"consumer.session.timeout.ms": str(session_timeout_ms), "consumer.heartbeat.interval.ms": heartbeat}
 
 
 def apply_group_session(settings: Settings, group_id: str, timeout_s: float = 15.0) -> bool:
@@ -39,15 +40,20 @@ def apply_group_session(settings: Settings, group_id: str, timeout_s: float = 15
     which case its defaults apply (group.consumer.session.timeout.ms, 45 s unless changed)."""
     configs = group_session_configs(settings.worker.session_timeout_ms)
     resource = ConfigResource(ResourceType.GROUP, group_id, incremental_configs=[
+        ConfigEntry(name, value, incremental_operation=AlterConfigOpType.DELETE) if value is None else
         ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET) for name, value in configs.items()])
     admin = AdminClient(settings.kafka.admin_config())
     try:
         for future in admin.incremental_alter_configs([resource], request_timeout=timeout_s).values():
             future.result(timeout_s)
     except (KafkaException, TimeoutError) as exc:
-        log.warning("could not set group %s's session (%s) to %s: %s; the broker's defaults apply "
+        log.warning("could not set group %s's session (%s): %s; the broker's defaults apply "
                     "(allow ALTER_CONFIGS on the group, or set the bounds group.consumer.min/max.*)",
-                    group_id, ", ".join(configs), ", ".join(configs.values()), exc)
+                    group_id, _describe(configs), exc)
         return False
-    log.info("group %s: %s", group_id, ", ".join(f"{k}={v}" for k, v in configs.items()))
+    log.info("group %s: %s", group_id, _describe(configs))
     return True
+
+
+def _describe(configs: dict[str, str | None]) -> str:
+    return ", ".join(f"{k}={'the broker default' if v is None else v}" for k, v in configs.items())

@@ -112,5 +112,27 @@ def test_a_session_the_broker_refuses_is_logged_and_the_worker_runs_on(settings,
     settings.worker.session_timeout_ms = 1_000  # under the broker's group.consumer.min.session.timeout.ms
     with running_worker(settings) as worker:
         _wait_until(lambda: worker.consumer is not None and worker.consumer.assignment(), 30, "an assignment")
-    assert f"could not set group {settings.worker.group_id}'s session" in caplog.text
+    assert f"could not set group {settings.worker.group_id}'s session (consumer.session.timeout.ms=1000" in caplog.text
     assert "the broker's defaults apply" in caplog.text
+
+
+def test_a_longer_session_gives_the_heartbeat_back_to_the_broker(settings):
+    from pipeline.worker.membership import apply_group_session
+
+    group = settings.worker.group_id
+    admin = AdminClient(settings.kafka.admin_config())
+    resource = ConfigResource(ResourceType.GROUP, group)
+
+    def heartbeat_is_the_groups(value: str | None = None) -> bool:
+        configs = admin.describe_configs([resource])[resource].result(15)
+        own = configs["consumer.session.timeout.ms"].source  # set on the group
+        heartbeat = configs["consumer.heartbeat.interval.ms"]
+        return heartbeat.source == own and (value is None or heartbeat.value == value)
+
+    # Group configs go through the cluster's metadata log: the broker shows them a moment later.
+    settings.worker.session_timeout_ms = 6_000
+    assert apply_group_session(settings, group)
+    _wait_until(lambda: heartbeat_is_the_groups("2000"), 10, "a 2 s heartbeat for a 6 s session")
+    settings.worker.session_timeout_ms = 45_000
+    assert apply_group_session(settings, group)
+    _wait_until(lambda: not heartbeat_is_the_groups(), 10, "the broker's heartbeat for a 45 s session")
