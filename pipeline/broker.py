@@ -352,6 +352,10 @@ class LocalBroker:
             "group.consumer.min.session.timeout.ms": "3000",
             "group.consumer.min.heartbeat.interval.ms": "500",
             "group.consumer.heartbeat.interval.ms": "500",
+            # The broker recomputes a group's assignment at most this often (1 s by default),
+            # which a joining worker waits for.
+            "group.consumer.min.assignment.interval.ms": "0",
+            "group.consumer.assignment.interval.ms": "100",
             "auto.create.topics.enable": "false",
             "log.retention.hours": "24",
             "log.segment.bytes": str(256 * 1024 * 1024),
