@@ -283,13 +283,17 @@ class WorkerSettings:
             return f"llmq-pool-{self.pool}"
         return self.group_id
 
-    def membership_config(self) -> dict[str, Any]:
-        """The consumer properties of the group protocol; None removes a property, as librdkafka
-        refuses the classic protocol's under the consumer protocol."""
+    def membership_config(self, worker_id: str) -> dict[str, Any]:
+        """The consumer properties of the group protocol and membership; None removes a
+        property, as librdkafka refuses the classic protocol's under the consumer protocol."""
         if self.group_protocol == "classic":
-            return {"session.timeout.ms": self.session_timeout_ms}
-        return {"group.protocol": "consumer", "group.remote.assignor": self.group_remote_assignor,
-                "partition.assignment.strategy": None}
+            conf: dict[str, Any] = {"session.timeout.ms": self.session_timeout_ms}
+        else:
+            conf = {"group.protocol": "consumer", "group.remote.assignor": self.group_remote_assignor,
+                    "partition.assignment.strategy": None}
+        if self.static_membership:
+            conf["group.instance.id"] = worker_id
+        return conf
 
 
 @dataclass

@@ -185,10 +185,8 @@ class Worker:
                          "message.max.bytes": MAX_DEAD_LETTER_BYTES + 65536}
         consumer_conf = {"client.id": f"llmq-worker-{self.worker_id}",
                          "max.poll.interval.ms": cfg.max_poll_interval_ms,
-                         **cfg.membership_config(),
+                         **cfg.membership_config(self.worker_id),
                          "on_commit": self._on_commit}
-        if cfg.static_membership:
-            consumer_conf["group.instance.id"] = self.worker_id
         if self.exactly_once:
             # A stable id per worker: a restarted worker fences its predecessor and aborts its
             # open transaction at once instead of after transaction.timeout.ms.

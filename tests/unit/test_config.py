@@ -124,7 +124,7 @@ def test_workers_behind_the_gateway_consume_the_dispatch_topics():
 
 def test_workers_use_the_consumer_group_protocol_with_the_range_assignor_by_default():
     s = Settings.load(env={})
-    conf = s.kafka.consumer_config("g", **s.worker.membership_config())
+    conf = s.kafka.consumer_config("g", **s.worker.membership_config("w1"))
     assert conf["group.protocol"] == "consumer" and conf["group.remote.assignor"] == "range"
     # librdkafka refuses the classic protocol's properties under the consumer protocol.
     assert "partition.assignment.strategy" not in conf and "session.timeout.ms" not in conf
@@ -132,7 +132,7 @@ def test_workers_use_the_consumer_group_protocol_with_the_range_assignor_by_defa
 
 def test_the_classic_group_protocol_keeps_the_client_side_session_timeout():
     s = Settings.load(env={"LLMQ_WORKER__GROUP_PROTOCOL": "classic", "LLMQ_WORKER__SESSION_TIMEOUT_MS": "6000"})
-    conf = s.kafka.consumer_config("g", **s.worker.membership_config())
+    conf = s.kafka.consumer_config("g", **s.worker.membership_config("w1"))
     assert conf["session.timeout.ms"] == 6000
     assert conf["partition.assignment.strategy"] == "cooperative-sticky"
     assert "group.protocol" not in conf
@@ -141,3 +141,9 @@ def test_the_classic_group_protocol_keeps_the_client_side_session_timeout():
 def test_a_none_override_removes_a_default_consumer_property():
     conf = Settings.load(env={}).kafka.consumer_config("g", **{"fetch.wait.max.ms": None})
     assert "fetch.wait.max.ms" not in conf
+
+
+def test_static_membership_makes_the_worker_id_the_group_instance_id():
+    s = Settings.load(env={"LLMQ_WORKER__STATIC_MEMBERSHIP": "true"})
+    assert s.worker.membership_config("pod-7")["group.instance.id"] == "pod-7"
+    assert "group.instance.id" not in Settings.load(env={}).worker.membership_config("pod-7")
