@@ -59,6 +59,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import linecache
+import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from enum import Enum
@@ -66,6 +68,11 @@ from typing import Any, Callable, Mapping
 
 from pipeline.errors import DecodeError
 from pipeline.models import Priority, Request, Response, Status, TaskTier
+
+try:  # built by `pip install` from _native.c when a C compiler is there; optional
+    from pipeline.serde import _native
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
 
 __all__ = [
     "FastCodec",
@@ -75,6 +82,7 @@ __all__ = [
     "RESPONSE_BINDING",
     "UnsupportedSchema",
     "compile_codec",
+    "native_available",
 ]
 
 _INT32_MIN = -(1 << 31)
@@ -722,13 +730,15 @@ class FastCodec:
     ``decode(data, pos)`` reads the body at ``data[pos:]`` (``data`` must be ``bytes``)
     and returns the model object or raises :class:`DecodeError`. ``encode(obj, header)``
     returns ``header`` + body, or ``None`` when ``obj`` needs the general path.
-    ``decode_source``/``encode_source`` hold the generated code.
+    ``decode_source``/``encode_source`` hold the generated code; ``native`` says both
+    try the C twin (``_native.c``) first.
     """
 
-    __slots__ = ("record", "decode", "encode", "decode_source", "encode_source")
+    __slots__ = ("record", "decode", "encode", "decode_source", "encode_source", "native")
 
-    def __init__(self, record, decode, encode, decode_source, encode_source):
+    def __init__(self, record, decode, encode, decode_source, encode_source, native=False):
         self.record = record
+        self.native = native
         self.decode = decode
         self.encode = encode
         self.decode_source = decode_source
@@ -765,6 +775,61 @@ def _default_late_check(binding: ModelBinding, fields: list[_Field], record: str
         return None
 
     return check
+
+
+def native_available() -> bool:
+    """Whether the C twin of the generated code (``_native.c``) was built and is enabled.
+
+    ``LLMQ_NATIVE_CODEC=0`` turns it off (comparisons, or to rule it out when debugging)."""
+    return _native is not None and os.environ.get("LLMQ_NATIVE_CODEC", "1") != "0"
+
+
+_NATIVE_OPS = {"string": 1, "int": 2, "long": 3, "boolean": 4, "enum": 5, "map": 6}
+
+
+def _native_program(binding: ModelBinding, fields: list[_Field]) -> tuple | None:
+    """The record description ``_native.decode``/``encode`` interpret, or None when the
+    model is not filled attribute by attribute (see :func:`_construct`)."""
+    model = binding.model
+    model_fields = dataclasses.fields(model)
+    if (hasattr(model, "__post_init__") or not all(mf.init for mf in model_fields)
+            or getattr(model, "__setattr__", object.__setattr__) is not object.__setattr__):
+        return None
+    ops, args = bytearray(), []
+    for f in fields:
+        t, op = f.type, 0
+        if t[0] == "union":
+            op = 0x10 if t[1][0] == "null" else 0x20
+            t = t[2] if t[1][0] == "null" else t[1]
+        op |= _NATIVE_OPS[t[0]]
+        ops.append(op)
+        if t[0] == "string":
+            args.append(f.cap)
+        elif t[0] == "enum":
+            members, _, _ = _enum_tables(f.enum, t[2], f.where)
+            index: dict = {}
+            for i, member in enumerate(members):
+                index.setdefault(member, i)
+            args.append((members, index))
+        elif t[0] == "map":
+            entries, _, max_bytes = f.map_caps
+            args.append((entries, max_bytes))
+        else:
+            args.append(None)
+    position = {f.name: i for i, f in enumerate(fields)}
+    slots, sources = [], []
+    for mf in model_fields:
+        slots.append(sys.intern(mf.name))
+        if mf.name in position:
+            sources.append(position[mf.name])
+        elif mf.default is not dataclasses.MISSING:
+            sources.append((mf.default,))
+        elif mf.default_factory is not dataclasses.MISSING:
+            sources.append(mf.default_factory)
+        else:
+            return None
+    names = tuple(sys.intern(f.name) for f in fields)
+    return (bytes(ops), tuple(args), names, model, object.__new__, tuple(slots), tuple(sources))
 
 
 def compile_codec(
@@ -879,4 +944,33 @@ def compile_codec(
 
     _compile(decode_text, f"decode {record}", dec.namespace)
     _compile(encode_text, f"encode {record}", enc.namespace)
-    return FastCodec(record, dec.namespace["decode"], enc.namespace["encode"], decode_text, encode_text)
+    decode, encode = dec.namespace["decode"], enc.namespace["encode"]
+    program = _native_program(binding, fields) if native_available() else None
+    if program is not None:
+        decode, encode = _with_native(program, decode, encode, max_record, min_cap)
+    return FastCodec(record, decode, encode, decode_text, encode_text, native=program is not None)
+
+
+def _with_native(program: tuple, py_decode, py_encode, max_record: int, min_cap: int | None):
+    """``decode``/``encode`` that try the C twin first and fall back to the generated code.
+
+    The C decoder only sees bodies no longer than the smallest cap, where no string can be
+    over its cap, so it never has to name a cap; for anything it does not read completely
+    and canonically it returns None and the generated decoder decides (and explains).
+    """
+    native_decode, native_encode = _native.decode, _native.encode
+    quick = max_record if min_cap is None else min(min_cap, max_record)
+
+    def decode(data, pos):
+        size = len(data)
+        if size - pos <= quick and size <= max_record:
+            obj = native_decode(data, pos, program)
+            if obj is not None:
+                return obj
+        return py_decode(data, pos)
+
+    def encode(obj, header):
+        data = native_encode(obj, header, program, max_record)
+        return data if data is not None else py_encode(obj, header)
+
+    return decode, encode

@@ -1,0 +1,372 @@
+/*
+ * Native record codec: a C twin of the code pipeline/serde/fastpath.py generates.
+ *
+ * It is a fast path, never the judge. decode() returns the model object only for a body it
+ * reads completely and canonically: anything unusual (a truncated body, bad UTF-8, a
+ * non-canonical or out-of-range index, a value over a cap, trailing bytes, a type other
+ * than bytes) makes it return None, and the caller runs the generated Python decoder on the
+ * same bytes, which accepts or names the problem exactly as before. encode() likewise
+ * returns None for any value the generated encoder would not write itself.
+ *
+ * A "program" describes one record, built by fastpath.native_program():
+ *   (ops: bytes, args: tuple, names: tuple[str], model: type, new: callable,
+ *    slots: tuple[str], sources: tuple)
+ * ops[i] is the type of field i (low nibble, OP_*) with NULL_FIRST/NULL_SECOND for a
+ * union with null. args[i]: for a string its cap (int, or None for none); for an enum a
+ * pair (members by index, {member: index}); for a map (max entries, max bytes of a key or
+ * value). names[i] is the model attribute of field i. decode() fills the attributes
+ * slots[j] of a new model object from sources[j]: an int is a decoded field's index, a
+ * 1-tuple holds a default value, anything else is a factory called for each object.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { OP_STRING = 1, OP_INT = 2, OP_LONG = 3, OP_BOOL = 4, OP_ENUM = 5, OP_MAP = 6 };
+#define OP_TYPE 0x0F
+#define NULL_FIRST 0x10
+#define NULL_SECOND 0x20
+
+#define MAX_FIELDS 64
+
+/* -- decoding ------------------------------------------------------------------------ */
+
+typedef struct {
+    const uint8_t *p;
+    const uint8_t *end;
+} Reader;
+
+/* An unsigned varint of at most max_bytes bytes (10: 64 bits; 5: 32 bits). 0 or -1. */
+static int read_uvarint(Reader *r, uint64_t *out, int max_bytes) {
+    uint64_t value = 0;
+    int shift = 0;
+    for (int i = 0; i < max_bytes; i++) {
+        if (r->p >= r->end) return -1;
+        uint8_t b = *r->p++;
+        if (i == 9 && b > 1) return -1; /* beyond 64 bits */
+        value |= (uint64_t)(b & 0x7F) << shift;
+        if (!(b & 0x80)) {
+            *out = value;
+            return 0;
+        }
+        shift += 7;
+    }
+    return -1;
+}
+
+static int read_long(Reader *r, int64_t *out) {
+    uint64_t u;
+    if (read_uvarint(r, &u, 10) < 0) return -1;
+    *out = (int64_t)(u >> 1) ^ -(int64_t)(u & 1);
+    return 0;
+}
+
+/* An Avro int: at most 5 bytes and within 32 bits. */
+static int read_int(Reader *r, int64_t *out) {
+    uint64_t u;
+    if (read_uvarint(r, &u, 5) < 0) return -1;
+    int64_t v = (int64_t)(u >> 1) ^ -(int64_t)(u & 1);
+    if (v < INT32_MIN || v > INT32_MAX) return -1;
+    *out = v;
+    return 0;
+}
+
+/* A string of at most cap bytes (cap < 0: uncapped), strict UTF-8. New reference or NULL
+ * with no exception set. */
+static PyObject *read_string(Reader *r, Py_ssize_t cap) {
+    int64_t n;
+    if (read_long(r, &n) < 0 || n < 0 || n > r->end - r->p) return NULL;
+    if (cap >= 0 && n > cap) return NULL;
+    PyObject *s = PyUnicode_DecodeUTF8((const char *)r->p, (Py_ssize_t)n, "strict");
+    if (s == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    r->p += n;
+    return s;
+}
+
+static PyObject *read_map(Reader *r, PyObject *arg) {
+    long max_entries = PyLong_AsLong(PyTuple_GET_ITEM(arg, 0));
+    Py_ssize_t max_bytes = PyLong_AsSsize_t(PyTuple_GET_ITEM(arg, 1));
+    PyObject *out = PyDict_New();
+    if (out == NULL) return NULL;
+    int64_t total = 0;
+    for (;;) {
+        int64_t count;
+        if (read_long(r, &count) < 0) goto bail;
+        if (count == 0) return out;
+        if (count < 0) {
+            int64_t ignored;
+            if (count == INT64_MIN || read_long(r, &ignored) < 0) goto bail;
+            count = -count;
+        }
+        total += count;
+        if (total > max_entries) goto bail;
+        for (int64_t i = 0; i < count; i++) {
+            PyObject *key = read_string(r, max_bytes);
+            if (key == NULL) goto bail;
+            PyObject *value = read_string(r, max_bytes);
+            if (value == NULL) {
+                Py_DECREF(key);
+                goto bail;
+            }
+            int failed = PyDict_SetItem(out, key, value);
+            Py_DECREF(key);
+            Py_DECREF(value);
+            if (failed) goto bail;
+        }
+    }
+bail:
+    Py_DECREF(out);
+    PyErr_Clear();
+    return NULL;
+}
+
+/* One value of the type op & OP_TYPE. New reference, or NULL (no exception set). */
+static PyObject *read_value(Reader *r, int op, PyObject *arg) {
+    int64_t v;
+    switch (op & OP_TYPE) {
+    case OP_STRING:
+        return read_string(r, arg == Py_None ? -1 : PyLong_AsSsize_t(arg));
+    case OP_INT:
+        if (read_int(r, &v) < 0) return NULL;
+        return PyLong_FromLongLong(v);
+    case OP_LONG:
+        if (read_long(r, &v) < 0) return NULL;
+        return PyLong_FromLongLong(v);
+    case OP_BOOL:
+        if (r->p >= r->end || *r->p > 1) return NULL;
+        return PyBool_FromLong(*r->p++);
+    case OP_ENUM: {
+        PyObject *members = PyTuple_GET_ITEM(arg, 0);
+        if (read_int(r, &v) < 0 || v < 0 || v >= PyTuple_GET_SIZE(members)) return NULL;
+        PyObject *member = PyTuple_GET_ITEM(members, v);
+        Py_INCREF(member);
+        return member;
+    }
+    case OP_MAP:
+        return read_map(r, arg);
+    }
+    return NULL;
+}
+
+static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyBytes_CheckExact(args[0]) || !PyLong_CheckExact(args[1]) || !PyTuple_CheckExact(args[2]) ||
+        PyTuple_GET_SIZE(args[2]) != 7)
+        Py_RETURN_NONE;
+    PyObject *program = args[2];
+    PyObject *ops = PyTuple_GET_ITEM(program, 0), *fargs = PyTuple_GET_ITEM(program, 1);
+    PyObject *model = PyTuple_GET_ITEM(program, 3), *new = PyTuple_GET_ITEM(program, 4);
+    PyObject *slots = PyTuple_GET_ITEM(program, 5), *sources = PyTuple_GET_ITEM(program, 6);
+    Py_ssize_t nfields = PyBytes_GET_SIZE(ops);
+    if (nfields > MAX_FIELDS) Py_RETURN_NONE;
+    const uint8_t *opcodes = (const uint8_t *)PyBytes_AS_STRING(ops);
+    Py_ssize_t size = PyBytes_GET_SIZE(args[0]);
+    Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
+    if (pos < 0 || pos > size) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Reader r = {(const uint8_t *)PyBytes_AS_STRING(args[0]) + pos, (const uint8_t *)PyBytes_AS_STRING(args[0]) + size};
+    PyObject *values[MAX_FIELDS];
+    Py_ssize_t done = 0;
+    PyObject *obj = NULL;
+    for (; done < nfields; done++) {
+        int op = opcodes[done];
+        PyObject *arg = PyTuple_GET_ITEM(fargs, done);
+        if (op & (NULL_FIRST | NULL_SECOND)) {
+            int64_t branch;
+            if (read_int(&r, &branch) < 0) goto fail;
+            int null_branch = (op & NULL_FIRST) ? 0 : 1;
+            if (branch == null_branch) {
+                Py_INCREF(Py_None);
+                values[done] = Py_None;
+                continue;
+            }
+            if (branch != 1 - null_branch) goto fail;
+        }
+        values[done] = read_value(&r, op, arg);
+        if (values[done] == NULL) goto fail;
+    }
+    if (r.p != r.end) goto fail;
+    obj = PyObject_CallOneArg(new, model);
+    if (obj == NULL) goto fail;
+    Py_ssize_t nslots = PyTuple_GET_SIZE(slots);
+    for (Py_ssize_t j = 0; j < nslots; j++) {
+        PyObject *source = PyTuple_GET_ITEM(sources, j), *value;
+        if (PyLong_CheckExact(source)) {
+            value = values[PyLong_AsSsize_t(source)];
+            Py_INCREF(value);
+        } else if (PyTuple_CheckExact(source)) {
+            value = PyTuple_GET_ITEM(source, 0);
+            Py_INCREF(value);
+        } else {
+            value = PyObject_CallNoArgs(source);
+            if (value == NULL) goto fail;
+        }
+        int failed = PyObject_SetAttr(obj, PyTuple_GET_ITEM(slots, j), value);
+        Py_DECREF(value);
+        if (failed) goto fail;
+    }
+    for (Py_ssize_t i = 0; i < done; i++) Py_DECREF(values[i]);
+    return obj;
+fail:
+    PyErr_Clear();
+    Py_XDECREF(obj);
+    for (Py_ssize_t i = 0; i < done; i++) Py_DECREF(values[i]);
+    Py_RETURN_NONE;
+}
+
+/* -- encoding ------------------------------------------------------------------------ */
+
+typedef struct {
+    uint8_t *buf;
+    Py_ssize_t len, cap;
+} Writer;
+
+static int reserve(Writer *w, Py_ssize_t more) {
+    if (w->len + more <= w->cap) return 0;
+    Py_ssize_t cap = w->cap * 2;
+    while (cap < w->len + more) cap *= 2;
+    uint8_t *buf = PyMem_Realloc(w->buf, cap);
+    if (buf == NULL) return -1;
+    w->buf = buf;
+    w->cap = cap;
+    return 0;
+}
+
+static int put_long(Writer *w, int64_t value) {
+    if (reserve(w, 10) < 0) return -1;
+    uint64_t n = ((uint64_t)value << 1) ^ (uint64_t)(value >> 63);
+    while (n > 0x7F) {
+        w->buf[w->len++] = (uint8_t)((n & 0x7F) | 0x80);
+        n >>= 7;
+    }
+    w->buf[w->len++] = (uint8_t)n;
+    return 0;
+}
+
+static int put_bytes(Writer *w, const char *data, Py_ssize_t n) {
+    if (put_long(w, n) < 0 || reserve(w, n) < 0) return -1;
+    memcpy(w->buf + w->len, data, n);
+    w->len += n;
+    return 0;
+}
+
+/* An exact str of at most cap UTF-8 bytes (cap < 0: uncapped). */
+static int put_string(Writer *w, PyObject *v, Py_ssize_t cap) {
+    if (!PyUnicode_CheckExact(v)) return -1;
+    Py_ssize_t n;
+    const char *utf8 = PyUnicode_AsUTF8AndSize(v, &n); /* NULL for a lone surrogate */
+    if (utf8 == NULL || (cap >= 0 && n > cap)) return -1;
+    return put_bytes(w, utf8, n);
+}
+
+static int put_value(Writer *w, int op, PyObject *arg, PyObject *v) {
+    switch (op & OP_TYPE) {
+    case OP_STRING:
+        return put_string(w, v, arg == Py_None ? -1 : PyLong_AsSsize_t(arg));
+    case OP_INT:
+    case OP_LONG: {
+        if (!PyLong_CheckExact(v)) return -1;
+        int overflow;
+        long long n = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (overflow || (n == -1 && PyErr_Occurred())) return -1;
+        if ((op & OP_TYPE) == OP_INT && (n < INT32_MIN || n > INT32_MAX)) return -1;
+        return put_long(w, n);
+    }
+    case OP_BOOL:
+        if (v != Py_True && v != Py_False) return -1;
+        if (reserve(w, 1) < 0) return -1;
+        w->buf[w->len++] = v == Py_True;
+        return 0;
+    case OP_ENUM: {
+        PyObject *members = PyTuple_GET_ITEM(arg, 0), *index = PyTuple_GET_ITEM(arg, 1);
+        if (PyTuple_GET_SIZE(members) == 0 || Py_TYPE(v) != Py_TYPE(PyTuple_GET_ITEM(members, 0))) return -1;
+        PyObject *i = PyDict_GetItemWithError(index, v);
+        if (i == NULL) return -1;
+        return put_long(w, PyLong_AsLongLong(i));
+    }
+    case OP_MAP: {
+        if (!PyDict_CheckExact(v)) return -1;
+        long max_entries = PyLong_AsLong(PyTuple_GET_ITEM(arg, 0));
+        Py_ssize_t max_bytes = PyLong_AsSsize_t(PyTuple_GET_ITEM(arg, 1));
+        Py_ssize_t n = PyDict_GET_SIZE(v);
+        if (n == 0) return put_long(w, 0);
+        if (n > max_entries || put_long(w, n) < 0) return -1;
+        Py_ssize_t it = 0;
+        PyObject *key, *item;
+        while (PyDict_Next(v, &it, &key, &item)) {
+            if (put_string(w, key, max_bytes) < 0 || put_string(w, item, max_bytes) < 0) return -1;
+        }
+        return put_long(w, 0);
+    }
+    }
+    return -1;
+}
+
+/* encode(obj, header: bytes, program, max_record_bytes) -> bytes | None */
+static PyObject *encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyBytes_CheckExact(args[1]) || !PyTuple_CheckExact(args[2]) || PyTuple_GET_SIZE(args[2]) != 7)
+        Py_RETURN_NONE;
+    PyObject *obj = args[0], *program = args[2];
+    Py_ssize_t max_record = PyLong_AsSsize_t(args[3]);
+    if (max_record < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *ops = PyTuple_GET_ITEM(program, 0), *fargs = PyTuple_GET_ITEM(program, 1);
+    PyObject *names = PyTuple_GET_ITEM(program, 2);
+    const uint8_t *opcodes = (const uint8_t *)PyBytes_AS_STRING(ops);
+    Py_ssize_t nfields = PyBytes_GET_SIZE(ops);
+    Writer w = {PyMem_Malloc(1024), 0, 1024};
+    if (w.buf == NULL) return PyErr_NoMemory();
+    Py_ssize_t hlen = PyBytes_GET_SIZE(args[1]);
+    if (reserve(&w, hlen) < 0) goto fail;
+    memcpy(w.buf, PyBytes_AS_STRING(args[1]), hlen);
+    w.len = hlen;
+    for (Py_ssize_t i = 0; i < nfields; i++) {
+        int op = opcodes[i];
+        PyObject *v = PyObject_GetAttr(obj, PyTuple_GET_ITEM(names, i));
+        if (v == NULL) goto fail;
+        int failed;
+        if (op & (NULL_FIRST | NULL_SECOND)) {
+            int null_branch = (op & NULL_FIRST) ? 0 : 1;
+            if (v == Py_None) {
+                failed = put_long(&w, null_branch);
+            } else {
+                failed = put_long(&w, 1 - null_branch) < 0 || put_value(&w, op, PyTuple_GET_ITEM(fargs, i), v) < 0;
+            }
+        } else {
+            failed = put_value(&w, op, PyTuple_GET_ITEM(fargs, i), v);
+        }
+        Py_DECREF(v);
+        if (failed) goto fail;
+    }
+    if (w.len > max_record) goto fail;
+    PyObject *out = PyBytes_FromStringAndSize((const char *)w.buf, w.len);
+    PyMem_Free(w.buf);
+    return out;
+fail:
+    PyErr_Clear();
+    PyMem_Free(w.buf);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"decode", (PyCFunction)(void (*)(void))decode, METH_FASTCALL,
+     "decode(data: bytes, pos: int, program) -> model object, or None to leave it to the Python decoder"},
+    {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL,
+     "encode(obj, header: bytes, program, max_record_bytes: int) -> header + body, or None to leave it to the "
+     "Python encoder"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "pipeline.serde._native",
+    "Native fast path of the schema-specialised Avro codec (see pipeline/serde/fastpath.py).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
