@@ -50,31 +50,45 @@ class BoundedLabels:
     """Maps free values (tenant ids, model names) to a bounded label set: allow-listed ones,
     else the top-N seen, else 'other'.
 
-    Used by one thread (the worker loop), so it takes no lock.
+    Used by one thread (the worker loop), so it takes no lock. It runs per message: values
+    are counted in batches (``Counter.update`` of the last ``RANK_EVERY`` values), and the
+    top-N is re-ranked after each batch.
     """
+
+    RANK_EVERY = 1000
 
     def __init__(self, allow: tuple[str, ...] | list[str] = (), top_n: int = 10):
         self.allow = frozenset(allow)
         self.top_n = top_n
         self._counts: _Counts[str] = _Counts()
         self._top: frozenset[str] = frozenset()
-        self._seen = 0
+        self._pending: list[str] = []
 
-    def label(self, tenant: str) -> str:
-        if tenant in self.allow:
-            return tenant
+    def label(self, value: str) -> str:
+        if value in self.allow:
+            return value
         if self.top_n <= 0:
             return "other"
-        self._counts[tenant] += 1
-        self._seen += 1
+        pending = self._pending
+        pending.append(value)
         top = self._top
-        if tenant not in top and len(top) < self.top_n:
-            top = self._top = top | {tenant}  # room left: no ranking needed yet
-        elif self._seen % 1000 == 0:
-            top = self._top = frozenset(t for t, _ in self._counts.most_common(self.top_n))
-            if len(self._counts) > 100 * self.top_n:  # bounded memory under very many tenants
-                self._counts = _Counts(dict(self._counts.most_common(10 * self.top_n)))
-        return tenant if tenant in top else "other"
+        if len(pending) >= self.RANK_EVERY:
+            top = self._rank()
+        if value in top:
+            return value
+        if len(top) < self.top_n:
+            self._top = top | {value}  # room left: no ranking needed yet
+            return value
+        return "other"
+
+    def _rank(self) -> frozenset[str]:
+        counts = self._counts
+        counts.update(self._pending)
+        self._pending.clear()
+        top = self._top = frozenset(t for t, _ in counts.most_common(self.top_n))
+        if len(counts) > 100 * self.top_n:  # bounded memory under very many tenants
+            self._counts = _Counts(dict(counts.most_common(10 * self.top_n)))
+        return top
 
 
 TenantLabels = BoundedLabels
@@ -211,6 +225,7 @@ class WorkerMetrics:
             self.tokens, self.last_commit, self.rebalances, self.dead_letters, self.up]))
         self.inflight_child = self.inflight.labels(pool)
         self.inflight_child.set(0)
+        self._band_series: dict[str, tuple] = {}
 
     def outcome(self, priority: str, outcome: str) -> None:
         self.requests.labels(priority, outcome).value += 1
@@ -218,9 +233,28 @@ class WorkerMetrics:
     def served(self, priority: str, model: str, seconds: float) -> None:
         self.duration.labels(priority, self.models.label(model)).observe(seconds)
 
+    def completed(self, priority: str, model: str, seconds: float, prompt_tokens: int, completion_tokens: int) -> None:
+        """One COMPLETED request: its outcome, backend time and tokens (the per-message hot path)."""
+        band = self._band_series.get(priority)
+        if band is None:
+            band = self._band_series[priority] = self._series_of(priority)
+        done, _, prompt, completion = band
+        done.value += 1
+        prompt.value += prompt_tokens
+        completion.value += completion_tokens
+        self.duration.labels(priority, self.models.label(model)).observe(seconds)
+
     def waited(self, priority: str, tenant: str, seconds: float) -> None:
-        self.queue_wait.labels(priority).observe(seconds)
+        band = self._band_series.get(priority)
+        if band is None:
+            band = self._band_series[priority] = self._series_of(priority)
+        band[1].observe(seconds)
         self.tenant_wait.labels(self.tenants.label(tenant)).observe(seconds)
+
+    def _series_of(self, priority: str) -> tuple:
+        # A band's children never change once created: looked up once, not per message.
+        return (self.requests.labels(priority, "completed"), self.queue_wait.labels(priority),
+                self.tokens.labels(priority, "prompt"), self.tokens.labels(priority, "completion"))
 
 
 class GatewayMetrics:

@@ -9,7 +9,7 @@ Typical use::
     request = codec.decode_request(data)
 """
 
-from pipeline.serde.codec import REQUEST_SCHEMA, RESPONSE_SCHEMA, SINGLE_OBJECT_MAGIC, Codec
+from pipeline.serde.codec import REQUEST_SCHEMA, RESPONSE_FIELDS, RESPONSE_SCHEMA, SINGLE_OBJECT_MAGIC, Codec
 from pipeline.serde.fingerprint import (
     EMPTY,
     Fingerprint,
@@ -28,6 +28,7 @@ __all__ = [
     "EMPTY",
     "Fingerprint",
     "REQUEST_SCHEMA",
+    "RESPONSE_FIELDS",
     "RESPONSE_SCHEMA",
     "RegistryFormat",
     "SINGLE_OBJECT_MAGIC",

@@ -10,13 +10,18 @@
  *
  * A "program" describes one record, built by fastpath.native_program():
  *   (ops: bytes, args: tuple, names: tuple[str], model: type, new: callable,
- *    slots: tuple[str], sources: tuple)
+ *    slots: tuple[str], sources: tuple, field_slots: tuple[int], quick: int, max_record: int)
  * ops[i] is the type of field i (low nibble, OP_*) with NULL_FIRST/NULL_SECOND for a
  * union with null. args[i]: for a string its cap (int, or None for none); for an enum a
  * pair (members by index, {member: index}); for a map (max entries, max bytes of a key or
  * value). names[i] is the model attribute of field i. decode() fills the attributes
  * slots[j] of a new model object from sources[j]: an int is a decoded field's index, a
  * 1-tuple holds a default value, anything else is a factory called for each object.
+ * field_slots[i] is the position of field i among the model's fields: encode_values()
+ * takes the values of one object as a tuple in the model's field order. decode() leaves
+ * a message of more than max_record bytes, or a body of more than quick bytes, to the
+ * Python decoder; encode() refuses a result of more than max_record bytes. The program
+ * comes first in every call, so functools.partial(decode, program) costs no Python frame.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -152,24 +157,30 @@ static PyObject *read_value(Reader *r, int op, PyObject *arg) {
     return NULL;
 }
 
+#define PROGRAM_SIZE 10
+
+/* decode(program, data: bytes, pos: int) -> model object | None */
 static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyBytes_CheckExact(args[0]) || !PyLong_CheckExact(args[1]) || !PyTuple_CheckExact(args[2]) ||
-        PyTuple_GET_SIZE(args[2]) != 7)
+    if (nargs != 3 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != PROGRAM_SIZE ||
+        !PyBytes_CheckExact(args[1]) || !PyLong_CheckExact(args[2]))
         Py_RETURN_NONE;
-    PyObject *program = args[2];
+    PyObject *program = args[0];
+    PyObject *data = args[1];
     PyObject *ops = PyTuple_GET_ITEM(program, 0), *fargs = PyTuple_GET_ITEM(program, 1);
     PyObject *model = PyTuple_GET_ITEM(program, 3), *new = PyTuple_GET_ITEM(program, 4);
     PyObject *slots = PyTuple_GET_ITEM(program, 5), *sources = PyTuple_GET_ITEM(program, 6);
     Py_ssize_t nfields = PyBytes_GET_SIZE(ops);
     if (nfields > MAX_FIELDS) Py_RETURN_NONE;
     const uint8_t *opcodes = (const uint8_t *)PyBytes_AS_STRING(ops);
-    Py_ssize_t size = PyBytes_GET_SIZE(args[0]);
-    Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
-    if (pos < 0 || pos > size) {
+    Py_ssize_t size = PyBytes_GET_SIZE(data);
+    Py_ssize_t pos = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t quick = PyLong_AsSsize_t(PyTuple_GET_ITEM(program, 8));
+    Py_ssize_t max_record = PyLong_AsSsize_t(PyTuple_GET_ITEM(program, 9));
+    if (pos < 0 || pos > size || size - pos > quick || size > max_record) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    Reader r = {(const uint8_t *)PyBytes_AS_STRING(args[0]) + pos, (const uint8_t *)PyBytes_AS_STRING(args[0]) + size};
+    Reader r = {(const uint8_t *)PyBytes_AS_STRING(data) + pos, (const uint8_t *)PyBytes_AS_STRING(data) + size};
     PyObject *values[MAX_FIELDS];
     Py_ssize_t done = 0;
     PyObject *obj = NULL;
@@ -307,12 +318,17 @@ static int put_value(Writer *w, int op, PyObject *arg, PyObject *v) {
     return -1;
 }
 
-/* encode(obj, header: bytes, program, max_record_bytes) -> bytes | None */
-static PyObject *encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyBytes_CheckExact(args[1]) || !PyTuple_CheckExact(args[2]) || PyTuple_GET_SIZE(args[2]) != 7)
+/* The body of encode() and encode_values(): the field values come from obj's attributes,
+ * or (values_mode) from the tuple obj in the model's field order. */
+static PyObject *encode_record(PyObject *const *args, Py_ssize_t nargs, int values_mode) {
+    if (nargs != 3 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != PROGRAM_SIZE ||
+        !PyBytes_CheckExact(args[2]))
         Py_RETURN_NONE;
-    PyObject *obj = args[0], *program = args[2];
-    Py_ssize_t max_record = PyLong_AsSsize_t(args[3]);
+    PyObject *program = args[0], *obj = args[1], *header = args[2];
+    PyObject *field_slots = PyTuple_GET_ITEM(program, 7);
+    if (values_mode && (!PyTuple_CheckExact(obj) || PyTuple_GET_SIZE(obj) != PyTuple_GET_SIZE(PyTuple_GET_ITEM(program, 5))))
+        Py_RETURN_NONE;
+    Py_ssize_t max_record = PyLong_AsSsize_t(PyTuple_GET_ITEM(program, 9));
     if (max_record < 0) {
         PyErr_Clear();
         Py_RETURN_NONE;
@@ -323,14 +339,20 @@ static PyObject *encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t nfields = PyBytes_GET_SIZE(ops);
     Writer w = {PyMem_Malloc(1024), 0, 1024};
     if (w.buf == NULL) return PyErr_NoMemory();
-    Py_ssize_t hlen = PyBytes_GET_SIZE(args[1]);
+    Py_ssize_t hlen = PyBytes_GET_SIZE(header);
     if (reserve(&w, hlen) < 0) goto fail;
-    memcpy(w.buf, PyBytes_AS_STRING(args[1]), hlen);
+    memcpy(w.buf, PyBytes_AS_STRING(header), hlen);
     w.len = hlen;
     for (Py_ssize_t i = 0; i < nfields; i++) {
         int op = opcodes[i];
-        PyObject *v = PyObject_GetAttr(obj, PyTuple_GET_ITEM(names, i));
-        if (v == NULL) goto fail;
+        PyObject *v;
+        if (values_mode) {
+            v = PyTuple_GET_ITEM(obj, PyLong_AsSsize_t(PyTuple_GET_ITEM(field_slots, i)));
+            Py_INCREF(v);
+        } else {
+            v = PyObject_GetAttr(obj, PyTuple_GET_ITEM(names, i));
+            if (v == NULL) goto fail;
+        }
         int failed;
         if (op & (NULL_FIRST | NULL_SECOND)) {
             int null_branch = (op & NULL_FIRST) ? 0 : 1;
@@ -355,12 +377,23 @@ fail:
     Py_RETURN_NONE;
 }
 
+/* encode(program, obj, header: bytes) -> bytes | None */
+static PyObject *encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return encode_record(args, nargs, 0);
+}
+
+/* encode_values(program, values: tuple, header: bytes) -> bytes | None */
+static PyObject *encode_values(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return encode_record(args, nargs, 1);
+}
+
 static PyMethodDef methods[] = {
     {"decode", (PyCFunction)(void (*)(void))decode, METH_FASTCALL,
-     "decode(data: bytes, pos: int, program) -> model object, or None to leave it to the Python decoder"},
+     "decode(program, data: bytes, pos: int) -> model object, or None to leave it to the Python decoder"},
     {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL,
-     "encode(obj, header: bytes, program, max_record_bytes: int) -> header + body, or None to leave it to the "
-     "Python encoder"},
+     "encode(program, obj, header: bytes) -> header + body, or None to leave it to the Python encoder"},
+    {"encode_values", (PyCFunction)(void (*)(void))encode_values, METH_FASTCALL,
+     "encode_values(program, values: tuple in the model's field order, header: bytes) -> header + body, or None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -45,6 +45,7 @@ codec encodes, it also decodes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from io import BytesIO
 from typing import Any, Literal
@@ -63,6 +64,7 @@ from pipeline.serde.schema_store import ReadPlan, SchemaRevision, SchemaStore
 __all__ = [
     "Codec",
     "REQUEST_SCHEMA",
+    "RESPONSE_FIELDS",
     "RESPONSE_SCHEMA",
     "SINGLE_OBJECT_MAGIC",
     "Wire",
@@ -78,6 +80,9 @@ REQUEST_SCHEMA = "llm_request"
 RESPONSE_SCHEMA = "llm_response"
 
 Wire = Literal["single-object", "confluent"]
+
+#: The order of the values :meth:`Codec.encode_response_values` takes: Response's fields.
+RESPONSE_FIELDS = tuple(f.name for f in dataclasses.fields(Response))
 
 _INT32_MIN = -(1 << 31)
 _INT32_MAX = (1 << 31) - 1
@@ -334,6 +339,9 @@ class Codec:
         self._fast_response_header = self._response_header if self._fast_response is not None else None
         self._fast_request_decode = self._fast_request.decode if self._fast_request is not None else None
         self._fast_response_decode = self._fast_response.decode if self._fast_response is not None else None
+        # The C twin alone, for the hot path (None without it): one call, no Python frame.
+        self._native_request_decode = self._fast_request.native_decode if self._fast_request is not None else None
+        self._fast_response_values = self._fast_response.encode_values if self._fast_response is not None else None
 
     @property
     def fast(self) -> bool:
@@ -394,6 +402,20 @@ class Codec:
                 if data is not None:
                     return data
         return self._encode(rec, header, self._request_rev, self._request_check)
+
+    def encode_response_values(self, values: tuple, wire: Wire = "single-object", topic: str | None = None) -> bytes:
+        """Encode the response whose field values, in :data:`RESPONSE_FIELDS` order, are
+        ``values``: the bytes of ``encode_response(Response(**dict(zip(RESPONSE_FIELDS, values))))``.
+
+        For a hot path: with the native codec an ordinary response is written straight from
+        the tuple, without building the :class:`Response`; anything else builds it and goes
+        through :meth:`encode_response` (same bytes, same errors).
+        """
+        if wire == "single-object" and self._fast_response_values is not None:
+            data = self._fast_response_values(values, self._response_header)
+            if data is not None:
+                return data
+        return self.encode_response(Response(**dict(zip(RESPONSE_FIELDS, values))), wire, topic)
 
     def encode_response(self, resp: Response, wire: Wire = "single-object", topic: str | None = None) -> bytes:
         """Encode ``resp`` with the current response schema (see :meth:`encode_request`)."""
@@ -465,6 +487,12 @@ class Codec:
         """Decode a request in either wire format. Raises :class:`DecodeError`."""
         # The hot path: single-object encoded with the current schema.
         if type(data) is bytes and data[:10] == self._fast_request_header:
+            native = self._native_request_decode
+            if native is not None:
+                request = native(data, 10)
+                if request is not None:
+                    return request
+                return self._fast_request.python_decode(data, 10)
             return self._fast_request_decode(data, 10)
         data, plan, offset = self._frame(data, REQUEST_SCHEMA)
         if plan.reader is None and self._fast_request is not None:  # e.g. confluent, same schema

@@ -57,6 +57,7 @@ identical to fastavro's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import linecache
 import os
@@ -731,18 +732,28 @@ class FastCodec:
     and returns the model object or raises :class:`DecodeError`. ``encode(obj, header)``
     returns ``header`` + body, or ``None`` when ``obj`` needs the general path.
     ``decode_source``/``encode_source`` hold the generated code; ``native`` says both
-    try the C twin (``_native.c``) first.
+    try the C twin (``_native.c``) first. With the twin (else None): ``native_decode(data,
+    pos)`` is its decoder alone (None where the generated code must decide, which
+    ``python_decode`` is), and ``encode_values(values, header)`` encodes the object
+    ``model(**dict(zip(field names, values)))`` would be, from the tuple of its field
+    values in the model's field order, without building it; None when that object would
+    need the general path.
     """
 
-    __slots__ = ("record", "decode", "encode", "decode_source", "encode_source", "native")
+    __slots__ = ("record", "decode", "encode", "decode_source", "encode_source", "python_decode", "native_decode",
+                 "encode_values", "native")
 
-    def __init__(self, record, decode, encode, decode_source, encode_source, native=False):
+    def __init__(self, record, decode, encode, decode_source, encode_source, *, python_decode=None,
+                 native_decode=None, encode_values=None):
         self.record = record
-        self.native = native
         self.decode = decode
         self.encode = encode
         self.decode_source = decode_source
         self.encode_source = encode_source
+        self.python_decode = python_decode or decode
+        self.native_decode = native_decode
+        self.encode_values = encode_values
+        self.native = native_decode is not None
 
     def __repr__(self) -> str:
         return f"FastCodec({self.record})"
@@ -829,7 +840,8 @@ def _native_program(binding: ModelBinding, fields: list[_Field]) -> tuple | None
         else:
             return None
     names = tuple(sys.intern(f.name) for f in fields)
-    return (bytes(ops), tuple(args), names, model, object.__new__, tuple(slots), tuple(sources))
+    field_slots = tuple(slots.index(f.name) for f in fields)
+    return (bytes(ops), tuple(args), names, model, object.__new__, tuple(slots), tuple(sources), field_slots)
 
 
 def compile_codec(
@@ -946,31 +958,25 @@ def compile_codec(
     _compile(encode_text, f"encode {record}", enc.namespace)
     decode, encode = dec.namespace["decode"], enc.namespace["encode"]
     program = _native_program(binding, fields) if native_available() else None
-    if program is not None:
-        decode, encode = _with_native(program, decode, encode, max_record, min_cap)
-    return FastCodec(record, decode, encode, decode_text, encode_text, native=program is not None)
-
-
-def _with_native(program: tuple, py_decode, py_encode, max_record: int, min_cap: int | None):
-    """``decode``/``encode`` that try the C twin first and fall back to the generated code.
-
-    The C decoder only sees bodies no longer than the smallest cap, where no string can be
-    over its cap, so it never has to name a cap; for anything it does not read completely
-    and canonically it returns None and the generated decoder decides (and explains).
-    """
-    native_decode, native_encode = _native.decode, _native.encode
+    if program is None:
+        return FastCodec(record, decode, encode, decode_text, encode_text)
+    # The C twin reads only bodies no longer than the smallest cap, where no string can be
+    # over its cap, so it never has to name one.
     quick = max_record if min_cap is None else min(min_cap, max_record)
+    program += (quick, max_record)
+    native_decode = functools.partial(_native.decode, program)
+    native_encode = functools.partial(_native.encode, program)
 
-    def decode(data, pos):
-        size = len(data)
-        if size - pos <= quick and size <= max_record:
-            obj = native_decode(data, pos, program)
-            if obj is not None:
-                return obj
-        return py_decode(data, pos)
+    def decode_either(data, pos, _python=decode):
+        # None: the C twin did not read it completely and canonically; the generated code
+        # decides (and explains).
+        obj = native_decode(data, pos)
+        return obj if obj is not None else _python(data, pos)
 
-    def encode(obj, header):
-        data = native_encode(obj, header, program, max_record)
-        return data if data is not None else py_encode(obj, header)
+    def encode_either(obj, header, _python=encode):
+        data = native_encode(obj, header)
+        return data if data is not None else _python(obj, header)
 
-    return decode, encode
+    return FastCodec(record, decode_either, encode_either, decode_text, encode_text,
+                     python_decode=decode, native_decode=native_decode,
+                     encode_values=functools.partial(_native.encode_values, program))

@@ -35,7 +35,7 @@ from pipeline.models import Priority, Request, Response, Status
 from pipeline.observability.metrics import TenantLabels, WorkerMetrics, reason_code
 from pipeline.policy.bands import BandScheduler
 from pipeline.policy.validation import validate_request
-from pipeline.serde import Codec
+from pipeline.serde import RESPONSE_FIELDS, Codec
 from pipeline.serde.factory import codec_for
 from pipeline.worker.backends.base import Backend, Completion
 from pipeline.worker.backlog import PartitionQueues
@@ -298,9 +298,19 @@ class Worker:
         pick, record, process = self._scheduler.pick, self._scheduler.record, self._process
         n = 0
         while len(tasks) < limit:
-            band = pick([q.size > 0 for q in backlog])
+            busy = [q.size > 0 for q in backlog]
+            band = pick(busy)
             if band is None:
                 break
+            if busy.count(True) == 1:
+                # The only band with work (nothing is taken during dispatch): every pick
+                # would choose it, so serve it without asking.
+                queue = backlog[band]
+                while queue.size and len(tasks) < limit:
+                    record(band)
+                    process(queue.popleft())
+                    n += 1
+                continue
             record(band)
             process(backlog[band].popleft())
             n += 1
@@ -490,21 +500,20 @@ class Worker:
     def _respond_completed(self, tp, offset: int, request: Request, started: int, c: Completion,
                            seconds: float = 0.0) -> None:
         self.stats.completed += 1
-        band = request.priority._value_
-        m = self.metrics
-        m.outcome(band, "completed")
-        m.served(band, c.model, seconds)
-        m.tokens.labels(band, "prompt").inc(c.prompt_tokens)
-        m.tokens.labels(band, "completion").inc(c.completion_tokens)
-        # Built directly rather than through _answer: this runs per message. The gateway
-        # fields are copied as _answer copies them (keep the two in step).
-        self._respond(tp, offset, Response(
-            request_id=request.request_id, tenant_id=request.tenant_id, status=Status.COMPLETED,
-            output=c.output, prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens, model=c.model,
-            degraded=request.degraded_from is not None, requested_priority=request.priority,
-            served_priority=request.effective_priority or request.priority, created_at=request.created_at,
-            admitted_at=request.admitted_at, started_at=started, finished_at=_now_ms(), worker_id=self.worker_id,
-            metadata={"trace_id": request.trace_id} if request.trace_id else {}))
+        self.metrics.completed(request.priority._value_, c.model, seconds, c.prompt_tokens, c.completion_tokens)
+        # The response as a tuple of its fields (RESPONSE_FIELDS order), encoded without
+        # building a Response: this runs per message. The gateway fields are copied as
+        # _answer copies them (keep the two in step).
+        values = (request.request_id, request.tenant_id, Status.COMPLETED, None, c.output, c.prompt_tokens,
+                  c.completion_tokens, c.model, request.degraded_from is not None, request.priority,
+                  request.effective_priority or request.priority, request.created_at, request.admitted_at, started,
+                  _now_ms(), self.worker_id, None, {"trace_id": request.trace_id} if request.trace_id else {},
+                  None, None)
+        try:
+            value = self.codec.encode_response_values(values, self._wire, self.responses_topic)
+        except EncodeError as exc:
+            value = self._fallback(Response(**dict(zip(RESPONSE_FIELDS, values))), f"response_too_large: {exc}")
+        self._emit(tp, offset, self.responses_topic, value, request.tenant_id.encode(), None)
 
     def _respond(self, tp, offset: int, response: Response) -> None:
         try:

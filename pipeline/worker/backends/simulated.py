@@ -38,6 +38,7 @@ class SimulatedBackend:
         # Answers are precomputed word sequences picked by a checksum of the request:
         # deterministic across processes, and cheap enough not to distort benchmarks.
         self._answers = [_sentence_prefixes(i, max_output_tokens) for i in range(_VARIANTS)]
+        self._model_crc: dict[str, int] = {}  # model name -> its CRC, the seed of the prompt's
 
     def _answer(self, request: Request) -> Completion:
         n = request.max_tokens
@@ -45,8 +46,15 @@ class SimulatedBackend:
             n = self.max_output_tokens
         elif n < 1:
             n = 1
-        variant = zlib.crc32(request.prompt.encode(), zlib.crc32(request.model.encode())) % _VARIANTS
-        return Completion(self._answers[variant][n], estimate_tokens(request.prompt), n, request.model)
+        model = request.model
+        seed = self._model_crc.get(model)
+        if seed is None:
+            seed = zlib.crc32(model.encode())
+            if len(self._model_crc) < 1024:
+                self._model_crc[model] = seed
+        prompt = request.prompt
+        variant = zlib.crc32(prompt.encode(), seed) % _VARIANTS
+        return Completion(self._answers[variant][n], estimate_tokens(prompt), n, model)
 
     def delay_s(self, request: Request) -> float:
         requested = _requested_latency_ms(request)

@@ -47,8 +47,7 @@ HEADER = 10  # single-object header: C3 01 + fingerprint
 
 
 def _program(fast: fastpath.FastCodec) -> tuple:
-    cells = dict(zip(fast.decode.__code__.co_freevars, fast.decode.__closure__))
-    return cells["program"].cell_contents
+    return fast.native_decode.args[0]
 
 
 REQUEST_PROGRAM = _program(NATIVE._fast_request)
@@ -68,7 +67,7 @@ def test_native_codec_can_be_switched_off(monkeypatch):
 
 
 def _native_request_bytes(req: Request) -> bytes | None:
-    return fastpath._native.encode(req, NATIVE._fast_request_header, REQUEST_PROGRAM, 1 << 20)
+    return fastpath._native.encode(REQUEST_PROGRAM, req, NATIVE._fast_request_header)
 
 
 @PROPERTY
@@ -86,7 +85,7 @@ def test_request_bytes_equal_generated_code(req):
 @example(minimal_response())
 def test_response_bytes_equal_generated_code(resp):
     expected = PYTHON._fast_response.encode(resp, PYTHON._fast_response_header)
-    got = fastpath._native.encode(resp, NATIVE._fast_response_header, RESPONSE_PROGRAM, 1 << 20)
+    got = fastpath._native.encode(RESPONSE_PROGRAM, resp, NATIVE._fast_response_header)
     assert got == expected
 
 
@@ -95,7 +94,7 @@ def test_response_bytes_equal_generated_code(resp):
 def test_request_decodes_to_the_same_object(req):
     data = PYTHON.encode_request(req)
     expected = PYTHON.decode_request(data)
-    native = fastpath._native.decode(data, HEADER, REQUEST_PROGRAM)
+    native = fastpath._native.decode(REQUEST_PROGRAM, data, HEADER)
     assert native == expected
     assert type(native) is Request
 
@@ -104,7 +103,7 @@ def test_request_decodes_to_the_same_object(req):
 @given(responses)
 def test_response_decodes_to_the_same_object(resp):
     data = PYTHON.encode_response(resp)
-    native = fastpath._native.decode(data, HEADER, RESPONSE_PROGRAM)
+    native = fastpath._native.decode(RESPONSE_PROGRAM, data, HEADER)
     assert native == PYTHON.decode_response(data)
 
 
@@ -138,7 +137,7 @@ def test_mutilated_bytes_are_never_accepted_where_python_refuses(kind):
     for seed in seeds:
         data = getattr(PYTHON, f"encode_{kind}")(seed)
         for mutated in _mutations(data, rng, 3000):
-            native = fastpath._native.decode(mutated, HEADER, program)
+            native = fastpath._native.decode(program, mutated, HEADER)
             try:
                 expected = python_decode(mutated)
             except DecodeError:
@@ -157,7 +156,7 @@ def test_non_canonical_varints_read_as_the_python_decoder_reads_them():
     # max_tokens=1 is the byte 02; the same value in two bytes is 82 00
     at = data.index(bytes([0x02]), HEADER + 4 + len(body.request_id) + len(body.tenant_id) + len(body.prompt))
     longer = bytes(data[:at]) + b"\x82\x00" + bytes(data[at + 1:])
-    native = fastpath._native.decode(longer, HEADER, REQUEST_PROGRAM)
+    native = fastpath._native.decode(REQUEST_PROGRAM, longer, HEADER)
     assert native is not None and native == PYTHON.decode_request(longer)
 
 
@@ -187,11 +186,11 @@ def test_default_factories_and_defaults_fill_fields_the_schema_lacks():
 
 def test_wrong_argument_types_fall_back_instead_of_crashing():
     data = PYTHON.encode_request(full_request())
-    assert fastpath._native.decode(bytearray(data), HEADER, REQUEST_PROGRAM) is None
-    assert fastpath._native.decode(data, -1, REQUEST_PROGRAM) is None
-    assert fastpath._native.decode(data, len(data) + 1, REQUEST_PROGRAM) is None
-    assert fastpath._native.decode(data, HEADER, ()) is None
-    assert fastpath._native.encode(full_request(), b"", (), 1 << 20) is None
+    assert fastpath._native.decode(REQUEST_PROGRAM, bytearray(data), HEADER) is None
+    assert fastpath._native.decode(REQUEST_PROGRAM, data, -1) is None
+    assert fastpath._native.decode(REQUEST_PROGRAM, data, len(data) + 1) is None
+    assert fastpath._native.decode((), data, HEADER) is None
+    assert fastpath._native.encode((), full_request(), b"") is None
     assert NATIVE.decode_request(data) == PYTHON.decode_request(data)
 
 
@@ -200,7 +199,9 @@ def test_wrong_argument_types_fall_back_instead_of_crashing():
 def test_a_field_over_its_cap_is_named_by_the_python_decoder(change):
     big = full_request(**change)
     data = _encode_unchecked(big)
-    assert fastpath._native.decode(data, HEADER, REQUEST_PROGRAM) is None  # its own cap check
+    assert fastpath._native.decode(REQUEST_PROGRAM, data, HEADER) is None  # too long for it
+    ungated = REQUEST_PROGRAM[:-2] + (1 << 20, 1 << 20)
+    assert fastpath._native.decode(ungated, data, HEADER) is None  # and its own cap check
     with pytest.raises(DecodeError) as native_err:
         NATIVE.decode_request(data)
     with pytest.raises(DecodeError) as python_err:

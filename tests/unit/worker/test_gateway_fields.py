@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.errors import BackendError
 from pipeline.models import Priority, Request, Response, Status, now_ms
-from pipeline.serde import Codec
+from pipeline.serde import Codec, fastpath
 from pipeline.testing import FakeMessage
 from pipeline.worker.backends.base import Completion
 from pipeline.worker.backends.simulated import SimulatedBackend
@@ -142,4 +142,38 @@ def test_the_too_large_fallback_keeps_the_gateway_fields():
     worker.backend = Runaway()
     resp = _run(worker, _gateway_request())
     assert resp.status is Status.FAILED and resp.reason.startswith("response_too_large")
+    _assert_gateway_fields(resp)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-codec", "python-codec"])
+def test_completed_response_has_every_field_in_place(native, monkeypatch):
+    # The hot path encodes the response from a tuple of its fields; with or without the
+    # native codec, every field must land where a keyword-built Response puts it.
+    if native and not fastpath.native_available():
+        pytest.skip("the C extension was not built")
+    if not native:
+        monkeypatch.setenv("LLMQ_NATIVE_CODEC", "0")
+    worker = make_worker()
+    assert (worker.codec._fast_response_values is not None) == native
+    req = _gateway_request(metadata={"ignored": "by the worker"})
+    resp = _run(worker, req)
+    answer = SimulatedBackend()._answer(req)
+    assert resp == Response(
+        request_id=req.request_id, tenant_id=req.tenant_id, status=Status.COMPLETED, reason=None,
+        output=answer.output, prompt_tokens=answer.prompt_tokens, completion_tokens=answer.completion_tokens,
+        model="sim-small", degraded=True, requested_priority=Priority.LOW, served_priority=Priority.HIGH,
+        created_at=req.created_at, admitted_at=ADMITTED_AT, started_at=resp.started_at,
+        finished_at=resp.finished_at, worker_id="fuzz-worker", retry_after_ms=None,
+        metadata={"trace_id": "trace-1"}, queue_position=None, eta_ms=None)
+    assert req.created_at <= resp.started_at <= resp.finished_at <= now_ms()
+
+
+def test_completed_response_over_the_caps_is_answered_failed():
+    # A runaway output the tuple encoder refuses goes through the Response path and its
+    # size check: a FAILED answer, not a lost request.
+    worker = make_worker()
+    worker.backend.complete_now = lambda request: Completion("x" * (2 << 20), 1, 1, request.model)
+    resp = _run(worker, _gateway_request())
+    assert resp.status is Status.FAILED
+    assert resp.reason.startswith("response_too_large")
     _assert_gateway_fields(resp)
