@@ -251,6 +251,34 @@ class WorkerMetrics:
         band[1].observe(seconds)
         self.tenant_wait.labels(self.tenants.label(tenant)).observe(seconds)
 
+    def waited_many(self, taken: list, started_ms: int) -> None:
+        """:meth:`waited` for each ``(msg, request)`` of ``taken``, all started at ``started_ms``."""
+        series, tenant_wait, tenant_label = self._band_series, self.tenant_wait, self.tenants.label
+        for _, request in taken:
+            priority = request.priority._value_
+            band = series.get(priority)
+            if band is None:
+                band = series[priority] = self._series_of(priority)
+            seconds = started_ms - request.created_at
+            seconds = seconds / 1000.0 if seconds > 0 else 0.0
+            band[1].observe(seconds)
+            tenant_wait.labels(tenant_label(request.tenant_id)).observe(seconds)
+
+    def completed_many(self, done: list) -> None:
+        """:meth:`completed` for each ``(msg, request, completion)`` answered without waiting
+        (no backend time)."""
+        series, duration, model_label = self._band_series, self.duration, self.models.label
+        for _, request, c in done:
+            priority = request.priority._value_
+            band = series.get(priority)
+            if band is None:
+                band = series[priority] = self._series_of(priority)
+            done_child, _, prompt, completion = band
+            done_child.value += 1
+            prompt.value += c.prompt_tokens
+            completion.value += c.completion_tokens
+            duration.labels(priority, model_label(c.model)).observe(0.0)
+
     def _series_of(self, priority: str) -> tuple:
         # A band's children never change once created: looked up once, not per message.
         return (self.requests.labels(priority, "completed"), self.queue_wait.labels(priority),

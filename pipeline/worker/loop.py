@@ -293,27 +293,41 @@ class Worker:
             self._deep.add(tp)
 
     def _dispatch(self) -> int:
-        """Start queued requests, highest band first (minimum shares aside), while slots are free."""
+        """Start queued requests, highest band first (minimum shares aside), while slots are free.
+
+        Requests are picked a chunk at a time, at most as many as there are free slots (each
+        takes at most one), and the chunk is processed stage by stage (:meth:`_process_batch`).
+        Picking ahead changes nothing: nothing is taken during dispatch and processing does
+        not touch the queues or the scheduler, so the picks come out as they would one by one.
+        """
         backlog, tasks, limit = self._backlog, self._tasks, self.cfg.max_inflight
-        pick, record, process = self._scheduler.pick, self._scheduler.record, self._process
+        pick, record, process = self._scheduler.pick, self._scheduler.record, self._process_batch
         n = 0
-        while len(tasks) < limit:
-            busy = [q.size > 0 for q in backlog]
-            band = pick(busy)
-            if band is None:
+        while True:
+            room = limit - len(tasks)
+            if room <= 0:
                 break
-            if busy.count(True) == 1:
-                # The only band with work (nothing is taken during dispatch): every pick
-                # would choose it, so serve it without asking.
-                queue = backlog[band]
-                while queue.size and len(tasks) < limit:
-                    record(band)
-                    process(queue.popleft())
-                    n += 1
-                continue
-            record(band)
-            process(backlog[band].popleft())
-            n += 1
+            if room > _DISPATCH_CHUNK:
+                room = _DISPATCH_CHUNK
+            chunk = []
+            while len(chunk) < room:
+                busy = [q.size > 0 for q in backlog]
+                band = pick(busy)
+                if band is None:
+                    break
+                if busy.count(True) == 1:
+                    # The only band with work: every pick would choose it.
+                    queue = backlog[band]
+                    while queue.size and len(chunk) < room:
+                        record(band)
+                        chunk.append(queue.popleft())
+                    continue
+                record(band)
+                chunk.append(backlog[band].popleft())
+            if not chunk:
+                break
+            process(chunk)
+            n += len(chunk)
         return n
 
     def _pause_deep(self) -> None:
@@ -394,50 +408,81 @@ class Worker:
             self._process(msg)
 
     def _process(self, msg) -> None:
-        tp = (msg.topic(), msg.partition())
-        offset = msg.offset()
+        self._process_batch([msg])
+
+    def _process_batch(self, msgs: list) -> None:
+        """Run taken messages through decoding, checks, the backend and the answer, one stage
+        at a time over the whole chunk: each stage's code and data stay warm in the CPU's
+        caches, which makes a stage-by-stage pass markedly cheaper than message by message.
+
+        Every message still ends in exactly one outcome: a dead letter, a rejection,
+        CANCELLED, EXPIRED, a COMPLETED answer (``complete_now``), or a backend task.
+        """
         stats = self.stats
         if not stats.consumed:
             stats.first_consumed_at = time.perf_counter()
-        stats.consumed += 1
-        value = msg.value()
-        try:
-            if not value:
-                raise DecodeError("empty", "message has no value (empty or tombstone)")
-            request = self.codec.decode_request(value)
-        except DecodeError as exc:
-            self._dead_letter(msg, tp, offset, exc.reason, str(exc))
-            return
+        stats.consumed += len(msgs)
+        decode = self.codec.decode_request
+        decoded = []
+        for msg in msgs:
+            value = msg.value()
+            try:
+                if not value:
+                    raise DecodeError("empty", "message has no value (empty or tombstone)")
+                decoded.append((msg, decode(value)))
+            except DecodeError as exc:
+                self._dead_letter(msg, (msg.topic(), msg.partition()), msg.offset(), exc.reason, str(exc))
         started = _now_ms()
+        cancellations = self.cancellations
+        duplicate = self._duplicate
+        runnable = []
+        for msg, request in decoded:
+            invalid = validate_request(request, started)
+            if invalid is None:
+                invalid = duplicate(request.request_id)
+            if invalid is not None:
+                self._reject(msg, request, invalid)
+                continue
+            if cancellations is not None:
+                cancelled = cancellations.reason(request.request_id)
+                if cancelled is not None:
+                    self._respond_cancelled((msg.topic(), msg.partition()), msg.offset(), request, started, cancelled)
+                    continue
+            if request.created_at + request.timeout_ms <= started:
+                self._expire(msg, request, started)
+                continue
+            runnable.append((msg, request))
+        if not runnable:
+            return
+        self.metrics.waited_many(runnable, started)
+        complete_now = self.backend.complete_now
+        done = []
+        for msg, request in runnable:
+            completion = complete_now(request)
+            if completion is not None:
+                done.append((msg, request, completion))
+            else:
+                tp, offset = (msg.topic(), msg.partition()), msg.offset()
+                self._tasks[(tp, offset)] = asyncio.get_running_loop().create_task(
+                    self._call_backend(tp, offset, request, started))
+                self._task_of[request.request_id] = (tp, offset)
+        if done:
+            self._respond_completed_many(done, started)
+
+    def _reject(self, msg, request: Request, reason: str) -> None:
         band = request.priority._value_
-        invalid = validate_request(request, started)
-        if invalid is None:
-            invalid = self._duplicate(request.request_id)
-        if invalid is not None:
-            self.stats.rejected += 1
-            self.metrics.outcome(band, "rejected")
-            self.metrics.rejections.labels(band, reason_code(invalid)).inc()
-            self._respond(tp, offset, _answer(request, Status.REJECTED, self.worker_id, reason=invalid))
-            return
-        cancelled = self.cancellations.reason(request.request_id) if self.cancellations is not None else None
-        if cancelled is not None:
-            self._respond_cancelled(tp, offset, request, started, cancelled)
-            return
-        if request.created_at + request.timeout_ms <= started:
-            self.stats.expired += 1
-            self.metrics.outcome(band, "expired")
-            self._respond(tp, offset, _answer(
-                request, Status.EXPIRED, self.worker_id, started_at=started,
-                reason="deadline_passed: the request's timeout ran out before a worker took it"))
-            return
-        self.metrics.waited(band, request.tenant_id, max(0, started - request.created_at) / 1000.0)
-        completion = self.backend.complete_now(request)
-        if completion is not None:
-            self._respond_completed(tp, offset, request, started, completion)
-        else:
-            self._tasks[(tp, offset)] = asyncio.get_running_loop().create_task(
-                self._call_backend(tp, offset, request, started))
-            self._task_of[request.request_id] = (tp, offset)
+        self.stats.rejected += 1
+        self.metrics.outcome(band, "rejected")
+        self.metrics.rejections.labels(band, reason_code(reason)).inc()
+        self._respond((msg.topic(), msg.partition()), msg.offset(),
+                      _answer(request, Status.REJECTED, self.worker_id, reason=reason))
+
+    def _expire(self, msg, request: Request, started: int) -> None:
+        self.stats.expired += 1
+        self.metrics.outcome(request.priority._value_, "expired")
+        self._respond((msg.topic(), msg.partition()), msg.offset(), _answer(
+            request, Status.EXPIRED, self.worker_id, started_at=started,
+            reason="deadline_passed: the request's timeout ran out before a worker took it"))
 
     def _cancel_in_flight(self, request_id: str) -> None:
         key = self._task_of.get(request_id)
@@ -514,6 +559,37 @@ class Worker:
         except EncodeError as exc:
             value = self._fallback(Response(**dict(zip(RESPONSE_FIELDS, values))), f"response_too_large: {exc}")
         self._emit(tp, offset, self.responses_topic, value, request.tenant_id.encode(), None)
+
+    def _respond_completed_many(self, done: list, started: int) -> None:
+        """The COMPLETED answers of ``done`` ``(msg, request, completion)``, answered by the
+        backend at once: what :meth:`_respond_completed` does, for a chunk."""
+        self.stats.completed += len(done)
+        self.metrics.completed_many(done)
+        finished = _now_ms()
+        encode, wire, topic, worker_id = self.codec.encode_response_values, self._wire, self.responses_topic, self.worker_id
+        exactly_once, ready, finish = self.exactly_once, self._ready, self.tracker.finished
+        completed = Status.COMPLETED
+        for msg, request, c in done:
+            # RESPONSE_FIELDS order; the gateway fields are copied as _answer copies them.
+            values = (request.request_id, request.tenant_id, completed, None, c.output, c.prompt_tokens,
+                      c.completion_tokens, c.model, request.degraded_from is not None, request.priority,
+                      request.effective_priority or request.priority, request.created_at, request.admitted_at,
+                      started, finished, worker_id, None,
+                      {"trace_id": request.trace_id} if request.trace_id else {}, None, None)
+            try:
+                value = encode(values, wire, topic)
+            except EncodeError as exc:
+                value = self._fallback(Response(**dict(zip(RESPONSE_FIELDS, values))), f"response_too_large: {exc}")
+            tp, offset = (msg.topic(), msg.partition()), msg.offset()
+            if exactly_once:
+                part = ready.get(tp)
+                if part is None:
+                    part = ready[tp] = {}
+                part[offset] = (topic, value, request.tenant_id.encode(), None)
+                finish(tp, offset)
+            else:
+                self._produce(topic, value, request.tenant_id.encode(), None,
+                              functools.partial(self._delivered, tp, offset))
 
     def _respond(self, tp, offset: int, response: Response) -> None:
         try:
@@ -645,11 +721,20 @@ class Worker:
 
         try:
             producer.begin_transaction()
+            produce = producer.produce
             for tp, position in positions:
-                ready = self._ready.get(tp, {})
+                ready = self._ready.get(tp)
+                if not ready:
+                    continue
                 for off in sorted(o for o in ready if o < position):
                     topic, value, key, headers = ready.pop(off)
-                    self._produce(topic, value, key, headers, None)
+                    try:
+                        if headers is None:
+                            produce(topic, value, key)
+                        else:
+                            produce(topic, value, key, headers=headers)
+                    except (BufferError, KafkaException):  # queue full, or too large: the careful path
+                        self._produce(topic, value, key, headers, None)
                     produced += 1
             _bounded_call(send_offsets_and_commit, budget)
         except _CallHung:
@@ -819,6 +904,9 @@ class Worker:
             self.cancellations = None
         log.info("worker %s stopped: %s", self.worker_id, self.stats)
 
+
+# Requests processed stage by stage at a time (fewer if fewer backend slots are free).
+_DISPATCH_CHUNK = 64
 
 # After a freeze longer than the session timeout, how long a worker starts no new work: enough
 # for librdkafka to notice the expired session and report the lost partitions.
