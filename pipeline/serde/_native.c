@@ -10,7 +10,8 @@
  *
  * A "program" describes one record, built by fastpath.native_program():
  *   (ops: bytes, args: tuple, names: tuple[str], model: type, new: callable,
- *    slots: tuple[str], sources: tuple, field_slots: tuple[int], quick: int, max_record: int)
+ *    slots: tuple[str], sources: tuple, field_slots: tuple[int], quick: int, max_record: int,
+ *    offsets: tuple[int] | None)
  * ops[i] is the type of field i (low nibble, OP_*) with NULL_FIRST/NULL_SECOND for a
  * union with null. args[i]: for a string its cap (int, or None for none); for an enum a
  * pair (members by index, {member: index}); for a map (max entries, max bytes of a key or
@@ -22,11 +23,23 @@
  * a message of more than max_record bytes, or a body of more than quick bytes, to the
  * Python decoder; encode() refuses a result of more than max_record bytes. The program
  * comes first in every call, so functools.partial(decode, program) costs no Python frame.
+ * offsets (from slot_offsets()) are where the model's __slots__ live inside its objects:
+ * with them decode() allocates the object and fills the slots directly, and encode() of
+ * an object of exactly the model's type reads them directly.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h> /* PyMemberDef (3.11) */
 #include <stdint.h>
 #include <string.h>
+
+/* What a __slots__ attribute's member descriptor holds (stable since 3.0; 3.12 renamed). */
+#ifndef Py_T_OBJECT_EX
+#define Py_T_OBJECT_EX 16
+#endif
+#ifndef Py_READONLY
+#define Py_READONLY 1
+#endif
 
 enum { OP_STRING = 1, OP_INT = 2, OP_LONG = 3, OP_BOOL = 4, OP_ENUM = 5, OP_MAP = 6 };
 #define OP_TYPE 0x0F
@@ -157,7 +170,7 @@ static PyObject *read_value(Reader *r, int op, PyObject *arg) {
     return NULL;
 }
 
-#define PROGRAM_SIZE 10
+#define PROGRAM_SIZE 11
 
 /* decode(program, data: bytes, pos: int) -> model object | None */
 static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -202,9 +215,31 @@ static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (values[done] == NULL) goto fail;
     }
     if (r.p != r.end) goto fail;
+    PyObject *offsets = PyTuple_GET_ITEM(program, 10);
+    Py_ssize_t nslots = PyTuple_GET_SIZE(slots);
+    if (offsets != Py_None) {
+        PyTypeObject *type = (PyTypeObject *)model;
+        obj = type->tp_alloc(type, 0); /* every slot NULL */
+        if (obj == NULL) goto fail;
+        for (Py_ssize_t j = 0; j < nslots; j++) {
+            PyObject *source = PyTuple_GET_ITEM(sources, j), *value;
+            if (PyLong_CheckExact(source)) {
+                value = values[PyLong_AsSsize_t(source)];
+                Py_INCREF(value);
+            } else if (PyTuple_CheckExact(source)) {
+                value = PyTuple_GET_ITEM(source, 0);
+                Py_INCREF(value);
+            } else {
+                value = PyObject_CallNoArgs(source);
+                if (value == NULL) goto fail;
+            }
+            *(PyObject **)((char *)obj + PyLong_AsSsize_t(PyTuple_GET_ITEM(offsets, j))) = value;
+        }
+        for (Py_ssize_t i = 0; i < done; i++) Py_DECREF(values[i]);
+        return obj;
+    }
     obj = PyObject_CallOneArg(new, model);
     if (obj == NULL) goto fail;
-    Py_ssize_t nslots = PyTuple_GET_SIZE(slots);
     for (Py_ssize_t j = 0; j < nslots; j++) {
         PyObject *source = PyTuple_GET_ITEM(sources, j), *value;
         if (PyLong_CheckExact(source)) {
@@ -334,7 +369,8 @@ static PyObject *encode_record(PyObject *const *args, Py_ssize_t nargs, int valu
         Py_RETURN_NONE;
     }
     PyObject *ops = PyTuple_GET_ITEM(program, 0), *fargs = PyTuple_GET_ITEM(program, 1);
-    PyObject *names = PyTuple_GET_ITEM(program, 2);
+    PyObject *names = PyTuple_GET_ITEM(program, 2), *offsets = PyTuple_GET_ITEM(program, 10);
+    int direct = !values_mode && offsets != Py_None && (PyObject *)Py_TYPE(obj) == PyTuple_GET_ITEM(program, 3);
     const uint8_t *opcodes = (const uint8_t *)PyBytes_AS_STRING(ops);
     Py_ssize_t nfields = PyBytes_GET_SIZE(ops);
     Writer w = {PyMem_Malloc(1024), 0, 1024};
@@ -348,6 +384,12 @@ static PyObject *encode_record(PyObject *const *args, Py_ssize_t nargs, int valu
         PyObject *v;
         if (values_mode) {
             v = PyTuple_GET_ITEM(obj, PyLong_AsSsize_t(PyTuple_GET_ITEM(field_slots, i)));
+            Py_INCREF(v);
+        } else if (direct) {
+            /* field i's slot: sources[field_slots[i]] is i, offsets[field_slots[i]] its place */
+            v = *(PyObject **)((char *)obj +
+                               PyLong_AsSsize_t(PyTuple_GET_ITEM(offsets, PyLong_AsSsize_t(PyTuple_GET_ITEM(field_slots, i)))));
+            if (v == NULL) goto fail; /* never set: AttributeError on the Python path */
             Py_INCREF(v);
         } else {
             v = PyObject_GetAttr(obj, PyTuple_GET_ITEM(names, i));
@@ -377,6 +419,36 @@ fail:
     Py_RETURN_NONE;
 }
 
+/* slot_offsets(cls, names) -> tuple of the byte offsets of cls's __slots__ named, or None
+ * when any of them is not a plain writable object slot of cls (a property, a __dict__
+ * entry, a read-only member). */
+static PyObject *slot_offsets(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyType_Check(args[0]) || !PyTuple_CheckExact(args[1])) Py_RETURN_NONE;
+    PyTypeObject *type = (PyTypeObject *)args[0];
+    Py_ssize_t n = PyTuple_GET_SIZE(args[1]);
+    PyObject *out = PyTuple_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *name = PyTuple_GET_ITEM(args[1], i);
+        PyObject *descr = PyUnicode_Check(name) ? _PyType_Lookup(type, name) : NULL;
+        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) goto none;
+        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+        if (member->type != Py_T_OBJECT_EX || (member->flags & Py_READONLY) || member->offset <= 0 ||
+            (size_t)member->offset + sizeof(PyObject *) > (size_t)type->tp_basicsize)
+            goto none;
+        PyObject *offset = PyLong_FromSsize_t(member->offset);
+        if (offset == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, offset);
+    }
+    return out;
+none:
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+}
+
 /* encode(program, obj, header: bytes) -> bytes | None */
 static PyObject *encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return encode_record(args, nargs, 0);
@@ -392,6 +464,8 @@ static PyMethodDef methods[] = {
      "decode(program, data: bytes, pos: int) -> model object, or None to leave it to the Python decoder"},
     {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL,
      "encode(program, obj, header: bytes) -> header + body, or None to leave it to the Python encoder"},
+    {"slot_offsets", (PyCFunction)(void (*)(void))slot_offsets, METH_FASTCALL,
+     "slot_offsets(cls, names: tuple[str]) -> where those __slots__ live in cls's objects, or None"},
     {"encode_values", (PyCFunction)(void (*)(void))encode_values, METH_FASTCALL,
      "encode_values(program, values: tuple in the model's field order, header: bytes) -> header + body, or None"},
     {NULL, NULL, 0, NULL},
@@ -402,4 +476,15 @@ static struct PyModuleDef module = {
     "Native fast path of the schema-specialised Avro codec (see pipeline/serde/fastpath.py).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+/* The program layout and call signatures this file implements; fastpath.py refuses any
+ * other (a stale build left behind by a failed rebuild, say) and uses the Python code. */
+#define NATIVE_ABI 3
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "ABI", NATIVE_ABI) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -70,9 +70,19 @@ from typing import Any, Callable, Mapping
 from pipeline.errors import DecodeError
 from pipeline.models import Priority, Request, Response, Status, TaskTier
 
+#: The build of _native.c this code expects (its NATIVE_ABI).
+NATIVE_ABI = 3
+
 try:  # built by `pip install` from _native.c when a C compiler is there; optional
     from pipeline.serde import _native
 except ImportError:  # pragma: no cover - depends on the build
+    _native = None
+if _native is not None and getattr(_native, "ABI", None) != NATIVE_ABI:  # pragma: no cover - a stale build
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "pipeline/serde/_native is a stale build (ABI %s, expected %s); using the Python codec. "
+        "Rebuild it: pip install -e .", getattr(_native, "ABI", None), NATIVE_ABI)
     _native = None
 
 __all__ = [
@@ -963,7 +973,9 @@ def compile_codec(
     # The C twin reads only bodies no longer than the smallest cap, where no string can be
     # over its cap, so it never has to name one.
     quick = max_record if min_cap is None else min(min_cap, max_record)
-    program += (quick, max_record)
+    # Filled slot by slot in C only if object.__new__ is all its construction would do.
+    direct = binding.model.__new__ is object.__new__
+    program += (quick, max_record, _native.slot_offsets(binding.model, program[5]) if direct else None)
     native_decode = functools.partial(_native.decode, program)
     native_encode = functools.partial(_native.encode, program)
 
