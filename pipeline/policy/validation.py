@@ -20,6 +20,7 @@ _TRACE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 #: How far in the future a client's clock may put created_at before the request is refused.
 MAX_CLOCK_SKEW_MS = 5 * 60 * 1000
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+_UUID_MATCH = _UUID.fullmatch
 
 
 @functools.lru_cache(maxsize=4096)
@@ -48,7 +49,7 @@ def validate_request(req: Request, now_ms: int | None = None) -> str | None:
         return f"invalid_request: timeout_ms must be > 0 (got {req.timeout_ms})"
     if not req.model:
         return "invalid_request: model is empty"
-    if _UUID.fullmatch(req.request_id) is None:
+    if _UUID_MATCH(req.request_id) is None:
         return "invalid_request: request_id must be a UUID"
     if req.trace_id is not None and _TRACE_ID.fullmatch(req.trace_id) is None:
         return "invalid_request: trace_id must be 1-128 characters of A-Z a-z 0-9 . _ : -"

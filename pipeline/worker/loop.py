@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections import OrderedDict
+from collections import deque
 import logging
 import os
 import signal
@@ -82,7 +82,8 @@ class Worker:
         self.codec = codec or codec_for(settings.serde)
         self._wire = settings.serde.wire_format
         # Request ids answered recently by this worker: a re-submitted id is answered once.
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._seen: set[str] = set()
+        self._seen_order: deque[str] = deque()  # the same ids, oldest first (cheaper than an OrderedDict)
         self._seen_max = self.cfg.dedupe_window
         if self.cfg.static_membership and not (worker_id or self.cfg.worker_id):
             raise ConfigError("worker.worker_id", "static_membership needs a worker id that survives restarts "
@@ -174,6 +175,7 @@ class Worker:
         self._tasks.clear()
         self._task_of.clear()
         self._seen.clear()
+        self._seen_order.clear()
         self._paused_parts.clear()
         self._deep.clear()
         self._paused = False
@@ -502,9 +504,11 @@ class Worker:
         if request_id in seen:
             return ("duplicate_request_id: this request id was already taken by this worker; the first "
                     "submission is answered")
-        seen[request_id] = None
-        if len(seen) > self._seen_max:
-            seen.popitem(last=False)
+        seen.add(request_id)
+        order = self._seen_order
+        order.append(request_id)
+        if len(order) > self._seen_max:
+            seen.discard(order.popleft())
         return None
 
     async def _call_backend(self, tp, offset: int, request: Request, started: int) -> None:
@@ -822,6 +826,7 @@ class Worker:
         self.stats.rebalances += 1
         # Their uncommitted requests go to another member, or come back here: not duplicates.
         self._seen.clear()
+        self._seen_order.clear()
         self.metrics.rebalances.labels(self.metrics.pool).inc()
         self._assignment_changed = True
         revoked = {(p.topic, p.partition) for p in partitions}

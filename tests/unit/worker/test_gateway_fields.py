@@ -177,3 +177,13 @@ def test_completed_response_over_the_caps_is_answered_failed():
     assert resp.status is Status.FAILED
     assert resp.reason.startswith("response_too_large")
     _assert_gateway_fields(resp)
+
+
+def test_duplicate_ids_are_remembered_for_the_dedupe_window_only():
+    worker = make_worker()
+    worker._seen_max = 3
+    ids = [f"id-{i}" for i in range(5)]
+    assert all(worker._duplicate(i) is None for i in ids)
+    assert worker._duplicate("id-4").startswith("duplicate_request_id")  # within the window
+    assert worker._duplicate("id-0") is None  # pushed out by newer ids: taken again
+    assert len(worker._seen) == len(worker._seen_order) == 3
