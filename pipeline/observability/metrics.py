@@ -252,10 +252,12 @@ class WorkerMetrics:
         self.tenant_wait.labels(self.tenants.label(tenant)).observe(seconds)
 
     def waited_many(self, taken: list, started_ms: int) -> None:
-        """:meth:`waited` for each ``(msg, request)`` of ``taken``, all started at ``started_ms``."""
+        """:meth:`waited` for the request of each ``(msg, request, ...)`` of ``taken``, all
+        started at ``started_ms``."""
         series, tenant_wait, tenant_label = self._band_series, self.tenant_wait, self.tenants.label
         buckets = WAIT_BUCKETS
-        for _, request in taken:
+        for item in taken:
+            request = item[1]
             priority = request.priority._value_
             band = series.get(priority)
             if band is None:

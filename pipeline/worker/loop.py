@@ -437,39 +437,65 @@ class Worker:
         started = _now_ms()
         cancellations = self.cancellations
         duplicate = self._duplicate
+        # Answers go out in message order (a client waiting on a re-submitted id must see the
+        # first submission's answer first): message by message, either a deferred answer
+        # (a callable) or [msg, request, completion] filled in by the backend stage.
+        outcomes: list = []
         runnable = []
         for msg, request in decoded:
             invalid = validate_request(request, started)
             if invalid is None:
                 invalid = duplicate(request.request_id)
             if invalid is not None:
-                self._reject(msg, request, invalid)
+                outcomes.append(functools.partial(self._reject, msg, request, invalid))
                 continue
             if cancellations is not None:
                 cancelled = cancellations.reason(request.request_id)
                 if cancelled is not None:
-                    self._respond_cancelled((msg.topic(), msg.partition()), msg.offset(), request, started, cancelled)
+                    outcomes.append(functools.partial(self._respond_cancelled, (msg.topic(), msg.partition()),
+                                                      msg.offset(), request, started, cancelled))
                     continue
             if request.created_at + request.timeout_ms <= started:
-                self._expire(msg, request, started)
+                outcomes.append(functools.partial(self._expire, msg, request, started))
                 continue
-            runnable.append((msg, request))
-        if not runnable:
-            return
-        self.metrics.waited_many(runnable, started)
-        complete_now = self.backend.complete_now
+            entry = [msg, request, None]
+            outcomes.append(entry)
+            runnable.append(entry)
         done = []
-        for msg, request in runnable:
-            completion = complete_now(request)
-            if completion is not None:
-                done.append((msg, request, completion))
-            else:
-                tp, offset = (msg.topic(), msg.partition()), msg.offset()
-                self._tasks[(tp, offset)] = asyncio.get_running_loop().create_task(
-                    self._call_backend(tp, offset, request, started))
-                self._task_of[request.request_id] = (tp, offset)
-        if done:
+        if runnable:
+            self.metrics.waited_many(runnable, started)
+            complete_now = self.backend.complete_now
+            for entry in runnable:
+                request = entry[1]
+                completion = complete_now(request)
+                if completion is not None:
+                    entry[2] = completion
+                    done.append(entry)
+                else:
+                    msg = entry[0]
+                    tp, offset = (msg.topic(), msg.partition()), msg.offset()
+                    self._tasks[(tp, offset)] = asyncio.get_running_loop().create_task(
+                        self._call_backend(tp, offset, request, started))
+                    self._task_of[request.request_id] = (tp, offset)
+        if len(done) == len(outcomes):
             self._respond_completed_many(done, started)
+        else:
+            self._respond_in_order(outcomes, done, started)
+
+    def _respond_in_order(self, outcomes: list, done: list, started: int) -> None:
+        """The chunk's answers in message order: the deferred ones called, the runs of
+        completed ones between them answered together."""
+        run: list = []
+        for item in outcomes:
+            if callable(item):
+                if run:
+                    self._respond_completed_many(run, started)
+                    run = []
+                item()
+            elif item[2] is not None:
+                run.append(item)
+        if run:
+            self._respond_completed_many(run, started)
 
     def _reject(self, msg, request: Request, reason: str) -> None:
         band = request.priority._value_
