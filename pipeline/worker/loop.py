@@ -598,6 +598,7 @@ class Worker:
         finished = _now_ms()
         encode, wire, topic, worker_id = self.codec.encode_response_values, self._wire, self.responses_topic, self.worker_id
         exactly_once, ready, finish = self.exactly_once, self._ready, self.tracker.finished
+        produce, delivered, partial = self.producer.produce, self._delivered, functools.partial
         completed = Status.COMPLETED
         for msg, request, c in done:
             # RESPONSE_FIELDS order; the gateway fields are copied as _answer copies them.
@@ -618,8 +619,11 @@ class Worker:
                 part[offset] = (topic, value, request.tenant_id.encode(), None)
                 finish(tp, offset)
             else:
-                self._produce(topic, value, request.tenant_id.encode(), None,
-                              functools.partial(self._delivered, tp, offset))
+                on_delivery = partial(delivered, tp, offset)
+                try:
+                    produce(topic, value, request.tenant_id.encode(), on_delivery=on_delivery)
+                except (BufferError, KafkaException):  # queue full, or too large: the careful path
+                    self._produce(topic, value, request.tenant_id.encode(), None, on_delivery)
 
     def _respond(self, tp, offset: int, response: Response) -> None:
         try:
