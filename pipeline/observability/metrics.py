@@ -230,20 +230,6 @@ class WorkerMetrics:
     def outcome(self, priority: str, outcome: str) -> None:
         self.requests.labels(priority, outcome).value += 1
 
-    def served(self, priority: str, model: str, seconds: float) -> None:
-        self.duration.labels(priority, self.models.label(model)).observe(seconds)
-
-    def completed(self, priority: str, model: str, seconds: float, prompt_tokens: int, completion_tokens: int) -> None:
-        """One COMPLETED request: its outcome, backend time and tokens (the per-message hot path)."""
-        band = self._band_series.get(priority)
-        if band is None:
-            band = self._band_series[priority] = self._series_of(priority)
-        done, _, prompt, completion = band
-        done.value += 1
-        prompt.value += prompt_tokens
-        completion.value += completion_tokens
-        self.duration.labels(priority, self.models.label(model)).observe(seconds)
-
     def waited(self, priority: str, tenant: str, seconds: float) -> None:
         band = self._band_series.get(priority)
         if band is None:
@@ -273,11 +259,12 @@ class WorkerMetrics:
             child.counts[bucket] += 1
             child.sum += seconds
 
-    def completed_many(self, done: list) -> None:
-        """:meth:`completed` for each ``(msg, request, completion)`` answered without waiting
-        (no backend time)."""
+    def completed_many(self, done: list, seconds: float = 0.0) -> None:
+        """Each ``(tp, offset, request, completion)`` of ``done`` COMPLETED, its backend
+        call having taken ``seconds``: the outcome, backend time and tokens."""
         series, duration, model_label = self._band_series, self.duration, self.models.label
-        for _, request, c in done:
+        for item in done:
+            request, c = item[2], item[3]
             priority = request.priority._value_
             band = series.get(priority)
             if band is None:
@@ -286,7 +273,7 @@ class WorkerMetrics:
             done_child.value += 1
             prompt.value += c.prompt_tokens
             completion.value += c.completion_tokens
-            duration.labels(priority, model_label(c.model)).observe(0.0)
+            duration.labels(priority, model_label(c.model)).observe(seconds)
 
     def _series_of(self, priority: str) -> tuple:
         # A band's children never change once created: looked up once, not per message.

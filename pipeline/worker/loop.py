@@ -439,7 +439,7 @@ class Worker:
         duplicate = self._duplicate
         # Answers go out in message order (a client waiting on a re-submitted id must see the
         # first submission's answer first): message by message, either a deferred answer
-        # (a callable) or [msg, request, completion] filled in by the backend stage.
+        # (a callable) or [msg, request, answer] whose answer the backend stage fills in.
         outcomes: list = []
         runnable = []
         for msg, request in decoded:
@@ -466,13 +466,12 @@ class Worker:
             self.metrics.waited_many(runnable, started)
             complete_now = self.backend.complete_now
             for entry in runnable:
-                request = entry[1]
+                msg, request = entry[0], entry[1]
                 completion = complete_now(request)
                 if completion is not None:
-                    entry[2] = completion
-                    done.append(entry)
+                    entry[2] = item = ((msg.topic(), msg.partition()), msg.offset(), request, completion)
+                    done.append(item)
                 else:
-                    msg = entry[0]
                     tp, offset = (msg.topic(), msg.partition()), msg.offset()
                     self._tasks[(tp, offset)] = asyncio.get_running_loop().create_task(
                         self._call_backend(tp, offset, request, started))
@@ -493,7 +492,7 @@ class Worker:
                     run = []
                 item()
             elif item[2] is not None:
-                run.append(item)
+                run.append(item[2])
         if run:
             self._respond_completed_many(run, started)
 
@@ -574,33 +573,19 @@ class Worker:
 
     def _respond_completed(self, tp, offset: int, request: Request, started: int, c: Completion,
                            seconds: float = 0.0) -> None:
-        self.stats.completed += 1
-        self.metrics.completed(request.priority._value_, c.model, seconds, c.prompt_tokens, c.completion_tokens)
-        # The response as a tuple of its fields (RESPONSE_FIELDS order), encoded without
-        # building a Response: this runs per message. The gateway fields are copied as
-        # _answer copies them (keep the two in step).
-        values = (request.request_id, request.tenant_id, Status.COMPLETED, None, c.output, c.prompt_tokens,
-                  c.completion_tokens, c.model, request.degraded_from is not None, request.priority,
-                  request.effective_priority or request.priority, request.created_at, request.admitted_at, started,
-                  _now_ms(), self.worker_id, None, {"trace_id": request.trace_id} if request.trace_id else {},
-                  None, None)
-        try:
-            value = self.codec.encode_response_values(values, self._wire, self.responses_topic)
-        except EncodeError as exc:
-            value = self._fallback(Response(**dict(zip(RESPONSE_FIELDS, values))), f"response_too_large: {exc}")
-        self._emit(tp, offset, self.responses_topic, value, request.tenant_id.encode(), None)
+        self._respond_completed_many([(tp, offset, request, c)], started, seconds)
 
-    def _respond_completed_many(self, done: list, started: int) -> None:
-        """The COMPLETED answers of ``done`` ``(msg, request, completion)``, answered by the
-        backend at once: what :meth:`_respond_completed` does, for a chunk."""
+    def _respond_completed_many(self, done: list, started: int, seconds: float = 0.0) -> None:
+        """The COMPLETED answers of ``done`` ``(tp, offset, request, completion)``, the
+        backend having taken ``seconds`` for each (0 for answers it gave at once)."""
         self.stats.completed += len(done)
-        self.metrics.completed_many(done)
+        self.metrics.completed_many(done, seconds)
         finished = _now_ms()
         encode, wire, topic, worker_id = self.codec.encode_response_values, self._wire, self.responses_topic, self.worker_id
         exactly_once, ready, finish = self.exactly_once, self._ready, self.tracker.finished
         produce, delivered, partial = self.producer.produce, self._delivered, functools.partial
         completed = Status.COMPLETED
-        for msg, request, c in done:
+        for tp, offset, request, c in done:
             # RESPONSE_FIELDS order; the gateway fields are copied as _answer copies them.
             values = (request.request_id, request.tenant_id, completed, None, c.output, c.prompt_tokens,
                       c.completion_tokens, c.model, request.degraded_from is not None, request.priority,
@@ -611,7 +596,6 @@ class Worker:
                 value = encode(values, wire, topic)
             except EncodeError as exc:
                 value = self._fallback(Response(**dict(zip(RESPONSE_FIELDS, values))), f"response_too_large: {exc}")
-            tp, offset = (msg.topic(), msg.partition()), msg.offset()
             if exactly_once:
                 part = ready.get(tp)
                 if part is None:
