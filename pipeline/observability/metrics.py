@@ -240,7 +240,8 @@ class WorkerMetrics:
     def waited_many(self, taken: list, started_ms: int) -> None:
         """:meth:`waited` for the request of each ``(msg, request, ...)`` of ``taken``, all
         started at ``started_ms``."""
-        series, tenant_wait, tenant_label = self._band_series, self.tenant_wait, self.tenants.label
+        series, tenant_label = self._band_series, self.tenants.label
+        tenant_children, tenant_wait = self.tenant_wait.children, self.tenant_wait.labels
         buckets = WAIT_BUCKETS
         for item in taken:
             request = item[1]
@@ -255,7 +256,8 @@ class WorkerMetrics:
             child = band[1]
             child.counts[bucket] += 1
             child.sum += seconds
-            child = tenant_wait.labels(tenant_label(request.tenant_id))
+            label = (tenant_label(request.tenant_id),)
+            child = tenant_children.get(label) or tenant_wait(*label)
             child.counts[bucket] += 1
             child.sum += seconds
 
