@@ -225,7 +225,7 @@ class Worker:
         idle_s = cfg.idle_poll_ms / 1000.0
         commit_every = cfg.commit_interval_ms / 1000.0
         batch = cfg.batch_size
-        take, dispatch = self._take, self._dispatch
+        take, dispatch = self._take_many, self._dispatch
         session_s = cfg.session_timeout_ms / 1000.0
         last_turn = time.monotonic()
         hold_until = 0.0
@@ -247,8 +247,8 @@ class Worker:
             if self._assignment_changed:
                 self._assignment_changed = False
                 self._reapply_pauses()
-            for msg in msgs:
-                take(msg)
+            if msgs:
+                take(msgs)
             for request_id in self.cancellations.poll():
                 self._cancel_in_flight(request_id)
             dispatched = dispatch() if now >= hold_until else 0
@@ -268,6 +268,20 @@ class Worker:
                 await asyncio.sleep(idle_s)
             elif self._tasks:
                 await asyncio.sleep(0)
+
+    def _take_many(self, msgs: list) -> None:
+        """:meth:`_take` each of ``msgs`` (one consume's worth), the common case inline."""
+        started, rank, backlog, cap, deep = (self.tracker.started, self._rank, self._backlog, self._backlog_cap,
+                                             self._deep)
+        for msg in msgs:
+            if msg.error() is not None or self._done_before:
+                self._take(msg)  # errors, and the first messages after a rebalance: the whole story
+                continue
+            topic = msg.topic()
+            tp = (topic, msg.partition())
+            started(tp, msg.offset())
+            if backlog[rank.get(topic, 4)].append(tp, msg) >= cap:
+                deep.add(tp)
 
     def _take(self, msg) -> None:
         """Accept a consumed message into its band's queue (its offset now holds commits back)."""
