@@ -491,11 +491,12 @@ class Worker:
                         self._call_backend(tp, offset, request, started))
                     self._task_of[request.request_id] = (tp, offset)
         if len(done) == len(outcomes):
-            self._respond_completed_many(done, started)
+            if done:
+                self._respond_completed_many(done, started)
         else:
-            self._respond_in_order(outcomes, done, started)
+            self._respond_in_order(outcomes, started)
 
-    def _respond_in_order(self, outcomes: list, done: list, started: int) -> None:
+    def _respond_in_order(self, outcomes: list, started: int) -> None:
         """The chunk's answers in message order: the deferred ones called, the runs of
         completed ones between them answered together."""
         run: list = []
