@@ -172,6 +172,21 @@ static PyObject *read_value(Reader *r, int op, PyObject *arg) {
 
 #define PROGRAM_SIZE 11
 
+/* The value of one model slot (see "sources" above): new reference, or NULL with an
+ * exception set (a default factory that raised). */
+static PyObject *slot_value(PyObject *source, PyObject **values) {
+    PyObject *value;
+    if (PyLong_CheckExact(source)) {
+        value = values[PyLong_AsSsize_t(source)];
+    } else if (PyTuple_CheckExact(source)) {
+        value = PyTuple_GET_ITEM(source, 0);
+    } else {
+        return PyObject_CallNoArgs(source);
+    }
+    Py_INCREF(value);
+    return value;
+}
+
 /* decode(program, data: bytes, pos: int) -> model object | None */
 static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != PROGRAM_SIZE ||
@@ -220,37 +235,16 @@ static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (offsets != Py_None) {
         PyTypeObject *type = (PyTypeObject *)model;
         obj = type->tp_alloc(type, 0); /* every slot NULL */
-        if (obj == NULL) goto fail;
-        for (Py_ssize_t j = 0; j < nslots; j++) {
-            PyObject *source = PyTuple_GET_ITEM(sources, j), *value;
-            if (PyLong_CheckExact(source)) {
-                value = values[PyLong_AsSsize_t(source)];
-                Py_INCREF(value);
-            } else if (PyTuple_CheckExact(source)) {
-                value = PyTuple_GET_ITEM(source, 0);
-                Py_INCREF(value);
-            } else {
-                value = PyObject_CallNoArgs(source);
-                if (value == NULL) goto fail;
-            }
-            *(PyObject **)((char *)obj + PyLong_AsSsize_t(PyTuple_GET_ITEM(offsets, j))) = value;
-        }
-        for (Py_ssize_t i = 0; i < done; i++) Py_DECREF(values[i]);
-        return obj;
+    } else {
+        obj = PyObject_CallOneArg(new, model);
     }
-    obj = PyObject_CallOneArg(new, model);
     if (obj == NULL) goto fail;
     for (Py_ssize_t j = 0; j < nslots; j++) {
-        PyObject *source = PyTuple_GET_ITEM(sources, j), *value;
-        if (PyLong_CheckExact(source)) {
-            value = values[PyLong_AsSsize_t(source)];
-            Py_INCREF(value);
-        } else if (PyTuple_CheckExact(source)) {
-            value = PyTuple_GET_ITEM(source, 0);
-            Py_INCREF(value);
-        } else {
-            value = PyObject_CallNoArgs(source);
-            if (value == NULL) goto fail;
+        PyObject *value = slot_value(PyTuple_GET_ITEM(sources, j), values);
+        if (value == NULL) goto fail;
+        if (offsets != Py_None) {
+            *(PyObject **)((char *)obj + PyLong_AsSsize_t(PyTuple_GET_ITEM(offsets, j))) = value; /* stolen */
+            continue;
         }
         int failed = PyObject_SetAttr(obj, PyTuple_GET_ITEM(slots, j), value);
         Py_DECREF(value);

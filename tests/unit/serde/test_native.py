@@ -264,3 +264,25 @@ def test_subclasses_and_half_built_objects_are_read_safely():
     empty = object.__new__(Response)  # no slot set: the Python path's AttributeError, not a crash
     assert fastpath._native.encode(RESPONSE_PROGRAM, empty, NATIVE._fast_response_header) is None
     assert PYTHON._fast_response.encode(empty, PYTHON._fast_response_header) is None
+
+
+def test_model_fields_the_schema_lacks_get_their_defaults_and_fresh_factories():
+    from dataclasses import dataclass, field
+
+    import fastavro
+
+    @dataclass(slots=True)
+    class Thing:
+        name: str
+        size: int
+        tags: list = field(default_factory=list)
+        level: int = 7
+
+    parsed = fastavro.parse_schema({"type": "record", "name": "Thing", "fields": [
+        {"name": "name", "type": "string"}, {"name": "size", "type": "long"}]})
+    codec = fastpath.compile_codec(parsed, fastpath.ModelBinding(Thing, {}), fastpath.FieldCaps(max_record_bytes=1 << 20))
+    assert codec.native
+    data = codec.encode(Thing("x", 3), b"")
+    first, second = codec.native_decode(data, 0), codec.native_decode(data, 0)
+    assert first == Thing("x", 3, [], 7) == codec.python_decode(data, 0)
+    assert first.tags is not second.tags  # a fresh list per object
