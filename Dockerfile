@@ -1,9 +1,18 @@
 # Image for the llmq processes in docker-compose.yml (the broker uses the official apache/kafka image).
+# Built in two stages: the first has a C compiler for llmq's optional native codec
+# (pipeline/serde/_native.c, via setup.py), the second only the wheel it produced.
+FROM python:3.11-slim AS build
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
+COPY pipeline ./pipeline
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
+    && python -c "import sys, zipfile, glob; names = zipfile.ZipFile(glob.glob('/wheels/*.whl')[0]).namelist(); sys.exit(0 if any(n.startswith('pipeline/serde/_native') and n.endswith('.so') for n in names) else 'the native codec was not built')"
+
 FROM python:3.11-slim
 WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY pipeline ./pipeline
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
 COPY schemas ./schemas
-RUN pip install --no-cache-dir .
 ENV LLMQ_SCHEMAS_DIR=/app/schemas
 ENTRYPOINT []
