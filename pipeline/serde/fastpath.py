@@ -673,6 +673,16 @@ def _fields(parsed: Mapping[str, Any], binding: ModelBinding, caps: FieldCaps, r
     return out
 
 
+def _plain(model: type) -> bool:
+    """Whether the dataclass ``model``'s ``__init__`` only stores its arguments, so that an
+    object can be filled in attribute by attribute instead."""
+    return (
+        not hasattr(model, "__post_init__")
+        and all(mf.init for mf in dataclasses.fields(model))
+        and getattr(model, "__setattr__", object.__setattr__) is object.__setattr__
+    )
+
+
 def _construct(src: _Source, binding: ModelBinding, fields: list[_Field], ind: int) -> None:
     """Lines building ``obj``, the model, from the decoded locals (and model defaults).
 
@@ -701,12 +711,7 @@ def _construct(src: _Source, binding: ModelBinding, fields: list[_Field], ind: i
                 raise UnsupportedSchema(f"{model.__name__}.{mf.name} is required but not in the schema")
         values.append((mf, expr))
     name = src.ref(model, "model")
-    plain = (
-        not hasattr(model, "__post_init__")
-        and all(mf.init for mf in model_fields)
-        and getattr(model, "__setattr__", object.__setattr__) is object.__setattr__
-    )
-    if plain:
+    if _plain(model):
         src.line(ind, f"obj = _new({name})")
         for mf, expr in values:
             src.line(ind, f"obj.{mf.name} = {expr}")
@@ -812,10 +817,9 @@ def _native_program(binding: ModelBinding, fields: list[_Field]) -> tuple | None
     """The record description ``_native.decode``/``encode`` interpret, or None when the
     model is not filled attribute by attribute (see :func:`_construct`)."""
     model = binding.model
-    model_fields = dataclasses.fields(model)
-    if (hasattr(model, "__post_init__") or not all(mf.init for mf in model_fields)
-            or getattr(model, "__setattr__", object.__setattr__) is not object.__setattr__):
+    if not _plain(model):
         return None
+    model_fields = dataclasses.fields(model)
     ops, args = bytearray(), []
     for f in fields:
         t, op = f.type, 0
