@@ -6,6 +6,10 @@ tasks (up to ``max_inflight``), and the loop keeps calling ``consume`` — with 
 partitions paused when the worker is full — so a long LLM call never makes the group
 evict the worker for missing ``max.poll.interval.ms``.
 
+Taken requests wait in per-band queues; each turn the scheduler picks them, a chunk at a
+time (never more than the free backend slots), and the chunk goes through decode, checks,
+the backend and the answers stage by stage, its answers leaving in message order.
+
 Delivery guarantee (at-least-once): a request's offset becomes committable only when the
 broker has acknowledged its response (or its dead letter), and a partition commits only
 up to its contiguous finished prefix. A crash therefore re-runs, never loses, requests;
