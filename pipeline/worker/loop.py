@@ -457,7 +457,8 @@ class Worker:
         duplicate = self._duplicate
         # Answers go out in message order (a client waiting on a re-submitted id must see the
         # first submission's answer first): message by message, either a deferred answer
-        # (a callable) or [msg, request, answer] whose answer the backend stage fills in.
+        # (a callable) or [msg, request, answer, its index] whose answer the backend stage
+        # fills in (or replaces by a FAILED one).
         outcomes: list = []
         runnable = []
         for msg, request in decoded:
@@ -476,7 +477,7 @@ class Worker:
             if request.created_at + request.timeout_ms <= started:
                 outcomes.append(functools.partial(self._expire, msg, request, started))
                 continue
-            entry = [msg, request, None]
+            entry = [msg, request, None, len(outcomes)]
             outcomes.append(entry)
             runnable.append(entry)
         done = []
@@ -485,7 +486,12 @@ class Worker:
             complete_now = self.backend.complete_now
             for entry in runnable:
                 msg, request = entry[0], entry[1]
-                completion = complete_now(request)
+                try:
+                    completion = complete_now(request)
+                except Exception as exc:  # answered FAILED in its place, like a failed backend call
+                    outcomes[entry[3]] = functools.partial(self._backend_failed, (msg.topic(), msg.partition()),
+                                                           msg.offset(), request, started, exc)
+                    continue
                 if completion is not None:
                     entry[2] = item = ((msg.topic(), msg.partition()), msg.offset(), request, completion)
                     done.append(item)
@@ -569,19 +575,8 @@ class Worker:
             # Handed back (shutdown or revocation): the offset stays uncommitted, so the
             # partition's next owner runs the request.
             raise
-        except BackendError as exc:
-            self.stats.failed += 1
-            self.metrics.outcome(request.priority._value_, "failed")
-            self._respond(tp, offset, _answer(
-                request, Status.FAILED, self.worker_id, reason=f"backend_error: {exc}", started_at=started,
-                model=request.model))
         except Exception as exc:  # a backend bug must not lose the request
-            log.exception("backend %s crashed on request %s", self.backend.name, request.request_id)
-            self.stats.failed += 1
-            self.metrics.outcome(request.priority._value_, "failed")
-            self._respond(tp, offset, _answer(
-                request, Status.FAILED, self.worker_id, reason=f"backend_error: {type(exc).__name__}: {exc}",
-                started_at=started, model=request.model))
+            self._backend_failed(tp, offset, request, started, exc)
         else:
             self._respond_completed(tp, offset, request, started, completion, time.perf_counter() - t0)
         finally:
@@ -589,6 +584,18 @@ class Worker:
             self._tasks.pop((tp, offset), None)
             self._task_of.pop(request.request_id, None)
             self._slot_free.set()
+
+    def _backend_failed(self, tp, offset: int, request: Request, started: int, exc: Exception) -> None:
+        """The FAILED answer to a request whose backend call raised ``exc``."""
+        if isinstance(exc, BackendError):
+            reason = f"backend_error: {exc}"
+        else:  # a bug in the backend: the request still gets its one answer
+            log.error("backend %s crashed on request %s", self.backend.name, request.request_id, exc_info=exc)
+            reason = f"backend_error: {type(exc).__name__}: {exc}"
+        self.stats.failed += 1
+        self.metrics.outcome(request.priority._value_, "failed")
+        self._respond(tp, offset, _answer(request, Status.FAILED, self.worker_id, reason=reason, started_at=started,
+                                          model=request.model))
 
     def _respond_completed(self, tp, offset: int, request: Request, started: int, c: Completion,
                            seconds: float = 0.0) -> None:

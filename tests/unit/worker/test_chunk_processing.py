@@ -86,3 +86,25 @@ def test_exactly_once_outcomes_wait_for_the_commit_in_offset_order():
     ready = worker._ready[(worker.settings.topics.request_topic(Priority.NORMAL), 0)]
     assert sorted(ready) == [0, 1, 2, 3]
     assert [CODEC.decode_response(ready[o][1]).request_id for o in sorted(ready)] == [r.request_id for r in reqs]
+
+
+def test_a_backend_that_raises_at_once_fails_only_that_request_in_its_place():
+    worker = make_worker()
+    answer_now = worker.backend.complete_now
+
+    def flaky(request):
+        if request.prompt == "boom":
+            raise RuntimeError("simulated bug")
+        return answer_now(request)
+
+    worker.backend.complete_now = flaky
+    reqs = [Request.new("t", p, priority=Priority.NORMAL) for p in ("one", "boom", "three")]
+    msgs = [_msg(worker, i, r) for i, r in enumerate(reqs)]
+    _take_all(worker, msgs)
+    worker._dispatch()
+    responses = [r for _, r in _answers(worker)]
+    assert [(r.request_id, r.status) for r in responses] == [
+        (reqs[0].request_id, Status.COMPLETED), (reqs[1].request_id, Status.FAILED),
+        (reqs[2].request_id, Status.COMPLETED)]
+    assert responses[1].reason == "backend_error: RuntimeError: simulated bug"
+    assert worker.tracker.to_commit() == [((msgs[0].topic(), 0), 3)]
