@@ -1,8 +1,9 @@
 """Only the optional C extension lives here; everything else is in pyproject.toml.
 
-``pipeline.serde._native`` is the C twin of the codec pipeline/serde/fastpath.py generates.
-Without a C compiler the build skips it (``optional=True``) and llmq runs on the
-generated Python code alone, with the same results.
+``pipeline.serde._native`` is the C twin of the codec pipeline/serde/fastpath.py generates;
+``pipeline.worker._lane`` is the worker's fast lane (pipeline/worker/fastlane.py). Without a
+C compiler the build skips them (``optional=True``) and llmq runs on the Python code alone,
+with the same results.
 """
 
 from setuptools import Extension, setup
@@ -14,6 +15,12 @@ setup(
             sources=["pipeline/serde/_native.c"],
             optional=True,
             extra_compile_args=["-O2", "-Wall"],
-        )
+        ),
+        Extension(
+            "pipeline.worker._lane",
+            sources=["pipeline/worker/_lane.c"],
+            optional=True,
+            extra_compile_args=["-O2", "-Wall"],
+        ),
     ]
 )

@@ -8,6 +8,7 @@ sustained high-band load slows the lower bands but never starves them.
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice, repeat
 from typing import Sequence
 
 
@@ -42,6 +43,18 @@ class BandScheduler:
             self._counts[recent[0]] -= 1
         recent.append(band)
         self._counts[band] += 1
+
+    def record_many(self, band: int, count: int) -> None:
+        """:meth:`record` ``count`` times."""
+        recent = self._recent
+        drop = len(recent) + count - recent.maxlen
+        if drop > 0:
+            counts = self._counts
+            for old in islice(recent, min(drop, len(recent))):
+                counts[old] -= 1
+        keep = min(count, recent.maxlen)
+        recent.extend(repeat(band, keep))
+        self._counts[band] += keep
 
     def shares(self) -> list[float]:
         n = len(self._recent) or 1

@@ -16,7 +16,8 @@ MAX_TOKENS_LIMIT = 1_000_000
 # C0/C1 controls, and Unicode format/separator characters that reorder or hide text
 # (bidi overrides, zero-width, line/paragraph separators, BOM).
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
-_TRACE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+MAX_TRACE_ID_CHARS = 128
+_TRACE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,%d}" % MAX_TRACE_ID_CHARS)
 #: How far in the future a client's clock may put created_at before the request is refused.
 MAX_CLOCK_SKEW_MS = 5 * 60 * 1000
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")

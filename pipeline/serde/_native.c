@@ -261,20 +261,33 @@ fail:
 
 /* -- encoding ------------------------------------------------------------------------ */
 
+/* Writes into `local` (on the caller's stack) until it is full, then into a heap buffer:
+ * most records fit, and need no allocation but their bytes object. */
 typedef struct {
     uint8_t *buf;
     Py_ssize_t len, cap;
+    uint8_t *local;
 } Writer;
 
 static int reserve(Writer *w, Py_ssize_t more) {
     if (w->len + more <= w->cap) return 0;
     Py_ssize_t cap = w->cap * 2;
     while (cap < w->len + more) cap *= 2;
-    uint8_t *buf = PyMem_Realloc(w->buf, cap);
+    uint8_t *buf;
+    if (w->buf == w->local) {
+        buf = PyMem_Malloc(cap);
+        if (buf != NULL) memcpy(buf, w->buf, w->len);
+    } else {
+        buf = PyMem_Realloc(w->buf, cap);
+    }
     if (buf == NULL) return -1;
     w->buf = buf;
     w->cap = cap;
     return 0;
+}
+
+static void writer_free(Writer *w) {
+    if (w->buf != w->local) PyMem_Free(w->buf);
 }
 
 static int put_long(Writer *w, int64_t value) {
@@ -367,8 +380,8 @@ static PyObject *encode_record(PyObject *const *args, Py_ssize_t nargs, int valu
     int direct = !values_mode && offsets != Py_None && (PyObject *)Py_TYPE(obj) == PyTuple_GET_ITEM(program, 3);
     const uint8_t *opcodes = (const uint8_t *)PyBytes_AS_STRING(ops);
     Py_ssize_t nfields = PyBytes_GET_SIZE(ops);
-    Writer w = {PyMem_Malloc(1024), 0, 1024};
-    if (w.buf == NULL) return PyErr_NoMemory();
+    uint8_t local[2048];
+    Writer w = {local, 0, sizeof local, local};
     Py_ssize_t hlen = PyBytes_GET_SIZE(header);
     if (reserve(&w, hlen) < 0) goto fail;
     memcpy(w.buf, PyBytes_AS_STRING(header), hlen);
@@ -405,11 +418,11 @@ static PyObject *encode_record(PyObject *const *args, Py_ssize_t nargs, int valu
     }
     if (w.len > max_record) goto fail;
     PyObject *out = PyBytes_FromStringAndSize((const char *)w.buf, w.len);
-    PyMem_Free(w.buf);
+    writer_free(&w);
     return out;
 fail:
     PyErr_Clear();
-    PyMem_Free(w.buf);
+    writer_free(&w);
     Py_RETURN_NONE;
 }
 

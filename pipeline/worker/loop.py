@@ -43,6 +43,7 @@ from pipeline.serde import RESPONSE_FIELDS, Codec
 from pipeline.serde.factory import codec_for
 from pipeline.worker.backends.base import Backend, Completion
 from pipeline.worker.backlog import PartitionQueues
+from pipeline.worker.fastlane import BAND_NAMES, FastLane
 from pipeline.worker.membership import apply_group_session
 from pipeline.worker.offsets import OffsetTracker, decode_done
 
@@ -140,6 +141,7 @@ class Worker:
         self._restart = False
         # A transactional call may block the poll loop this long: well inside max.poll.interval.ms,
         # so a slow commit (broker restarting) never evicts the worker from its group.
+        self._lane: FastLane | None = None
         self._txn_call_budget_s = min(30.0, max(1.0, self.cfg.max_poll_interval_ms / 1000 / 3))
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -207,6 +209,9 @@ class Worker:
         self.consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
                                 on_lost=self._on_lost)
         self.cancellations = CancellationView(self.settings)
+        self._lane = FastLane.build(codec=self.codec, wire=self._wire, backend=self.backend, worker_id=self.worker_id,
+                                    seen=self._seen, cancelled=self.cancellations._ids,
+                                    exactly_once=self.exactly_once)
         log.info("worker %s consuming %s as group %s (backend %s, max in flight %d)",
                  self.worker_id, ", ".join(self.topics), self.group_id, self.backend.name, cfg.max_inflight)
         up = self.metrics.up.labels(self.metrics.pool)
@@ -252,7 +257,11 @@ class Worker:
                 self._assignment_changed = False
                 self._reapply_pauses()
             if msgs:
-                take(msgs)
+                if self._lane is not None and now >= hold_until and not self._done_before and \
+                        not any(q.size for q in self._backlog):
+                    self._run_lane(msgs)
+                else:
+                    take(msgs)
             for request_id in self.cancellations.poll():
                 self._cancel_in_flight(request_id)
             dispatched = dispatch() if now >= hold_until else 0
@@ -272,6 +281,78 @@ class Worker:
                 await asyncio.sleep(idle_s)
             elif self._tasks:
                 await asyncio.sleep(0)
+
+    def _run_lane(self, msgs: list) -> None:
+        """Handle one consume's worth through the fast lane (:mod:`pipeline.worker.fastlane`),
+        each message it leaves through the Python path at once, in consumption order.
+
+        Only called with the band queues empty. A batch of several bands is handled
+        highest band first, as the scheduler would pick it.
+        """
+        rank = self._rank
+        if len({m.topic() for m in msgs}) > 1:
+            msgs = sorted(msgs, key=lambda m: rank.get(m.topic(), 4))
+        lane, stats, limit = self._lane, self.stats, self.cfg.max_inflight
+        i, n = 0, len(msgs)
+        while i < n:
+            now = _now_ms()
+            stop, values, keys, ids, runs, bands, tenants, models = lane.run(msgs, i, now, now)
+            if stop > i:
+                count = stop - i
+                if not stats.consumed:
+                    stats.first_consumed_at = time.perf_counter()
+                stats.consumed += count
+                stats.completed += count
+                started, record = self.tracker.started_many, self._scheduler.record_many
+                for topic, partition, offsets in runs:
+                    started((topic, partition), offsets)
+                    record(rank.get(topic, 4), len(offsets))
+                order = self._seen_order
+                order.extend(ids)
+                if len(order) > self._seen_max:
+                    seen = self._seen
+                    while len(order) > self._seen_max:
+                        seen.discard(order.popleft())
+                self.metrics.lane_counts(bands, tenants, models, BAND_NAMES)
+                self._produce_answers(values, keys, self._lane_delivered(runs, count))
+            if stop >= n:
+                return
+            if len(self._tasks) >= limit:  # no slot for a backend call: the rest waits its turn
+                self._take_many(msgs[stop:])
+                return
+            self._handle(msgs[stop])
+            i = stop + 1
+
+    def _lane_delivered(self, runs: list, count: int):
+        """The delivery callback of the ``count`` answers of one lane call: their offsets
+        finish when the last of them is acknowledged."""
+        left = [count]
+        finished, stats = self.tracker.finished_many, self.stats
+
+        def delivered(err, msg) -> None:
+            if err is not None:
+                self._not_delivered(err, msg, delivered, "a fast-lane answer")
+                return
+            left[0] -= 1
+            if left[0] == 0:
+                for topic, partition, offsets in runs:
+                    finished((topic, partition), offsets)
+                stats.delivered += count
+                stats.last_delivered_at = time.perf_counter()
+
+        return delivered
+
+    def _produce_answers(self, values: list, keys: list, on_delivery) -> None:
+        produce, topic = self.producer.produce, self.responses_topic
+        j, n = 0, len(values)
+        while j < n:
+            try:
+                for j in range(j, n):
+                    produce(topic, values[j], keys[j], on_delivery=on_delivery)
+                return
+            except (BufferError, KafkaException):  # queue full, or too large: the careful path
+                self._produce(topic, values[j], keys[j], None, on_delivery)
+                j += 1
 
     def _take_many(self, msgs: list) -> None:
         """:meth:`_take` each of ``msgs`` (one consume's worth), the common case inline."""
@@ -306,6 +387,8 @@ class Worker:
                 # Answered by the partition's previous owner after its last commit position
                 # (its commit said so): finished already, not a second time.
                 done.discard(offset)
+                if not done:  # all skipped: the fast lane may take this partition again
+                    del self._done_before[tp]
                 self.stats.skipped_done += 1
                 self.tracker.finished(tp, offset)
                 return
@@ -707,18 +790,22 @@ class Worker:
             stats.delivered += 1
             stats.last_delivered_at = time.perf_counter()
             return
+        self._not_delivered(err, msg, functools.partial(self._delivered, tp, offset), f"{tp[0]}[{tp[1]}]@{offset}")
+
+    def _not_delivered(self, err, msg, on_delivery, what: str) -> None:
+        """A message the broker did not acknowledge: publish it again, smaller if it was too
+        large, or stop on a fatal error; its offset is not committed meanwhile."""
         if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
-            self._produce(*self._shrunk(msg.topic(), msg.value(), msg.key(), msg.headers()),
-                          functools.partial(self._delivered, tp, offset))
+            self._produce(*self._shrunk(msg.topic(), msg.value(), msg.key(), msg.headers()), on_delivery)
             return
         if err.fatal():
             self._fatal = KafkaOperationError("produce response", err.str(), err)
-            log.error("fatal producer error, stopping without committing %s[%d]@%d: %s", tp[0], tp[1], offset, err)
+            log.error("fatal producer error, stopping without committing %s: %s", what, err)
             return
         # Not acknowledged: never commit past it; publish again (idempotent producer).
         self.stats.delivery_retries += 1
-        log.warning("response for %s[%d]@%d not delivered (%s); retrying", tp[0], tp[1], offset, err)
-        self._produce(msg.topic(), msg.value(), msg.key(), msg.headers(), functools.partial(self._delivered, tp, offset))
+        log.warning("response for %s not delivered (%s); retrying", what, err)
+        self._produce(msg.topic(), msg.value(), msg.key(), msg.headers(), on_delivery)
 
     # -- commits and rebalances -----------------------------------------------------------
 

@@ -85,6 +85,38 @@ class OffsetTracker:
             part = self._partitions[tp] = _Partition()
         part.pending.append(offset)
 
+    def started_many(self, tp: TopicPartitionKey, offsets: list[int]) -> None:
+        """:meth:`started` for each of ``offsets`` (ascending), at once."""
+        part = self._partitions.get(tp)
+        if part is None:
+            part = self._partitions[tp] = _Partition()
+        part.pending.extend(offsets)
+
+    def finished_many(self, tp: TopicPartitionKey, offsets: list[int]) -> None:
+        """:meth:`finished` for each of ``offsets`` (ascending), at once where they are the
+        partition's oldest pending offsets (the usual case)."""
+        part = self._partitions.get(tp)
+        if part is None or not offsets:
+            return
+        pending, k = part.pending, len(offsets)
+        # pending and offsets both ascend and offsets ⊆ pending: equal ends mean equal lists.
+        if len(pending) >= k and pending[0] == offsets[0] and pending[k - 1] == offsets[-1]:
+            if k == len(pending):
+                pending.clear()
+            else:
+                popleft = pending.popleft
+                for _ in range(k):
+                    popleft()
+            last = offsets[-1]
+            finished = part.finished
+            while pending and pending[0] in finished:
+                last = pending.popleft()
+                finished.discard(last)
+            part.position = last + 1
+            return
+        for offset in offsets:
+            self.finished(tp, offset)
+
     def finished(self, tp: TopicPartitionKey, offset: int) -> None:
         part = self._partitions.get(tp)
         if part is None:

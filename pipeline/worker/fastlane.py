@@ -1,0 +1,96 @@
+"""The worker's fast lane: ordinary requests answered at once, in one C call per batch.
+
+When the backend answers without waiting (the simulated model with no latency), the
+Python cost of a request — decode, checks, backend, answer, bookkeeping, one step after
+another — is most of what a worker spends on it. ``_lane.c`` does those steps for a run of
+consumed messages in one call, and returns the encoded answers, their keys, where they came
+from (for the offset tracker) and the metric counts, summed.
+
+It is a fast path, never the judge: it stops at the first message that is not ordinary in
+every respect (see ``_lane.c``), and the worker takes that one through the Python path,
+which decides and explains, then resumes the lane after it. Every message is handled in
+consumption order by exactly one of the two, and a lane answer is the bytes the Python
+path writes (``tests/unit/worker/test_fastlane.py`` compares them).
+
+The lane is used only where it cannot change an outcome or an order: at-least-once
+delivery, the single-object wire format with the native codec, the simulated backend
+without latency, and an empty band backlog (the consumed messages are then taken in band
+order, highest first, which is what the scheduler would pick). ``LLMQ_FAST_LANE=0`` turns
+it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from pipeline.models import Priority, Request, Status
+from pipeline.observability.metrics import WAIT_BUCKETS
+from pipeline.policy.validation import MAX_CLOCK_SKEW_MS, MAX_TENANT_ID_CHARS, MAX_TOKENS_LIMIT, MAX_TRACE_ID_CHARS
+from pipeline.serde import fastpath
+
+log = logging.getLogger(__name__)
+
+#: The build of _lane.c this code expects (its LANE_ABI).
+LANE_ABI = 1
+
+try:  # built from _lane.c by `pip install` when a C compiler is there; optional
+    from pipeline.worker import _lane
+except ImportError:  # pragma: no cover - no compiler
+    _lane = None
+if _lane is not None and getattr(_lane, "ABI", None) != LANE_ABI:  # pragma: no cover - a stale build
+    log.warning("pipeline/worker/_lane is a stale build (ABI %s, expected %s); the worker runs without its "
+                "fast lane. Rebuild it: pip install -e .", getattr(_lane, "ABI", None), LANE_ABI)
+    _lane = None
+
+#: The Request slots _lane.c reads, in its F_* order.
+READ_FIELDS = ("request_id", "tenant_id", "priority", "prompt", "model", "max_tokens", "created_at", "timeout_ms",
+               "trace_id", "metadata", "admitted_at", "effective_priority", "degraded_from")
+
+#: Band index (the lane's) -> priority name, highest first.
+BAND_NAMES = tuple(p.value for p in Priority)
+
+
+def lane_available() -> bool:
+    """Whether ``_lane.c`` was built and is enabled (``LLMQ_FAST_LANE=0`` turns it off)."""
+    return _lane is not None and os.environ.get("LLMQ_FAST_LANE", "1") != "0"
+
+
+class FastLane:
+    """One worker session's lane: :meth:`run` is ``_lane.run`` with the context bound."""
+
+    __slots__ = ("ctx", "_run")
+
+    def __init__(self, ctx: tuple):
+        self.ctx = ctx
+        self._run = _lane.run
+
+    def run(self, msgs: list, start: int, started_ms: int, finished_ms: int) -> tuple:
+        """``(stop, values, keys, ids, runs, bands, tenants, models)``: see ``_lane.c``."""
+        return self._run(self.ctx, msgs, start, started_ms, finished_ms)
+
+    @classmethod
+    def build(cls, *, codec, wire: str, backend, worker_id: str, seen: set, cancelled: dict | None,
+              exactly_once: bool) -> FastLane | None:
+        """The lane for these parts, or None where it does not apply (the Python path then
+        handles everything, as it would anyway)."""
+        from pipeline.worker.backends.simulated import SimulatedBackend
+
+        if not lane_available() or exactly_once or wire != "single-object":
+            return None
+        if type(backend) is not SimulatedBackend or backend.latency_ms != 0 or backend.ms_per_token != 0:
+            return None
+        decode = getattr(codec, "_native_request_decode", None)
+        request_fast, response_fast = getattr(codec, "_fast_request", None), getattr(codec, "_fast_response", None)
+        if decode is None or request_fast is None or response_fast is None or not request_fast.native or \
+                not response_fast.native or codec._fast_request_header is None:
+            return None
+        offsets = fastpath._native.slot_offsets(Request, READ_FIELDS)
+        if offsets is None or not isinstance(cancelled, (dict, type(None))):
+            return None
+        answers = tuple(tuple(a) for a in backend._answers)
+        ctx = (decode, codec._fast_request_header, offsets, response_fast.encode_values, codec._response_header,
+               Status.COMPLETED, worker_id, answers, backend.max_output_tokens, seen, cancelled,
+               {p: i for i, p in enumerate(Priority)}, tuple(float(b) for b in WAIT_BUCKETS),
+               MAX_CLOCK_SKEW_MS, MAX_TOKENS_LIMIT, MAX_TENANT_ID_CHARS, MAX_TRACE_ID_CHARS, Request)
+        return cls(ctx)
