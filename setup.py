@@ -13,12 +13,14 @@ setup(
         Extension(
             "pipeline.serde._native",
             sources=["pipeline/serde/_native.c"],
+            depends=["pipeline/serde/_avro.h"],
             optional=True,
             extra_compile_args=["-O2", "-Wall"],
         ),
         Extension(
             "pipeline.worker._lane",
             sources=["pipeline/worker/_lane.c"],
+            depends=["pipeline/serde/_avro.h"],
             optional=True,
             extra_compile_args=["-O2", "-Wall"],
         ),

@@ -5,13 +5,18 @@
  * Like the native codec it is a fast path, never the judge. run() takes the consumed
  * messages from index `start` on, one by one, and stops at the first one that is not
  * ordinary in every respect: an error, a value that is not a current single-object
- * request the native decoder reads, any field the validation would question (or that
- * this code does not check as precisely: a tenant id that is not printable ASCII, say),
- * a request id seen before, a cancelled or expired request, metadata, a response the
- * native encoder will not write. It returns where it stopped, and the worker takes that
- * message through the Python path, which decides and explains, then calls run() again
- * after it. So every message is handled in consumption order, by exactly one of the two,
- * and the answers are the bytes the Python path would write.
+ * request read completely and canonically, any field the validation would question (or
+ * that this code does not check as precisely: a tenant id that is not printable ASCII, a
+ * non-empty map), a request id seen before, a cancelled or expired request, a response
+ * over the caps. It returns where it stopped, and the worker takes that message through
+ * the Python path, which decides and explains, then calls run() again after it. So every
+ * message is handled in consumption order, by exactly one of the two, and the answers
+ * are the bytes the Python path writes (tests/unit/worker/test_fastlane.py compares them).
+ *
+ * It transcodes: the request body is read in place (strings as spans of the message's
+ * bytes, checked to be UTF-8 as strictly as the decoder does) and the response is written
+ * straight from them, so an answer costs no Python objects but its request id, its bytes
+ * and its offset.
  *
  * run(ctx, msgs, start, started_ms, finished_ms) -> (stop, values, keys, ids, runs, bands, tenants, models)
  *   stop      index of the first message left to the caller (len(msgs): none)
@@ -24,32 +29,42 @@
  *   tenants   {tenant: [count, wait sum, wait bucket counts...]}
  *   models    {model: [count per band index]}
  *
- * ctx (built by pipeline/worker/fastlane.py):
- *   0 decode(data, pos) -> Request | None   the native request decoder
- *   1 request header (bytes)                the single-object header of the current schema
- *   2 offsets of Request's slots, in the READ order below
- *   3 encode(values, header) -> bytes | None  the native response encoder (RESPONSE_FIELDS order)
+ * ctx (built and checked by pipeline/worker/fastlane.py):
+ *   0 request program (fastpath's native program of the current LLMRequest schema)
+ *   1 field index in it of each of the F_* fields below (tuple of int)
+ *   2 request header (bytes): the single-object header of the current schema
+ *   3 response program (native program of the current LLMResponse schema)
  *   4 response header (bytes)
- *   5 Status.COMPLETED     6 worker id (str)
+ *   5 Status.COMPLETED    6 worker id (str)
  *   7 answers: tuple of 256 tuples of str (the simulated model's sentence prefixes)
- *   8 max output tokens    9 seen request ids (set)   10 cancelled ids (dict) or None
+ *   8 max output tokens   9 seen request ids (set)   10 cancelled ids (dict) or None
  *   11 {Priority: band index}   12 wait bucket bounds (tuple of float, ascending)
  *   13 max clock skew (ms)  14 max_tokens limit  15 max tenant id characters
- *   16 max trace id characters  17 the Request type (whose slots ctx[2] locates)
+ *   16 max trace id characters
+ * A response program's fields are written from the positions (field_slots) of
+ * RESPONSE_FIELDS: request_id, tenant_id, status, reason, output, prompt_tokens,
+ * completion_tokens, model, degraded, requested_priority, served_priority, created_at,
+ * admitted_at, started_at, finished_at, worker_id, retry_after_ms, metadata,
+ * queue_position, eta_ms.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
-#include <string.h>
+#include "../serde/_avro.h"
 
-#define CTX_SIZE 18
+#define CTX_SIZE 17
 #define NBANDS 5
 #define MAX_BOUNDS 64
+#define MAX_ENUM 64
+#define RESPONSE_POSITIONS 20
 
-/* Request slots read, in the order of ctx[2]. */
+/* The request fields read, in the order of ctx[1]. */
 enum {
     F_REQUEST_ID, F_TENANT_ID, F_PRIORITY, F_PROMPT, F_MODEL, F_MAX_TOKENS, F_CREATED_AT, F_TIMEOUT_MS,
-    F_TRACE_ID, F_METADATA, F_ADMITTED_AT, F_EFFECTIVE_PRIORITY, F_DEGRADED_FROM, F_COUNT
+    F_TRACE_ID, F_ADMITTED_AT, F_EFFECTIVE_PRIORITY, F_DEGRADED_FROM, F_COUNT
+};
+/* Positions of RESPONSE_FIELDS. */
+enum {
+    R_REQUEST_ID, R_TENANT_ID, R_STATUS, R_REASON, R_OUTPUT, R_PROMPT_TOKENS, R_COMPLETION_TOKENS, R_MODEL,
+    R_DEGRADED, R_REQUESTED_PRIORITY, R_SERVED_PRIORITY, R_CREATED_AT, R_ADMITTED_AT, R_STARTED_AT,
+    R_FINISHED_AT, R_WORKER_ID, R_RETRY_AFTER_MS, R_METADATA, R_QUEUE_POSITION, R_ETA_MS
 };
 
 /* zlib's CRC-32 (reflected 0xEDB88320), so the variant is the one zlib.crc32 picks. */
@@ -80,8 +95,311 @@ static uint32_t crc32_update(uint32_t crc, const uint8_t *p, Py_ssize_t n) {
     return ~crc;
 }
 
-/* crc32 of the str's UTF-8 bytes, continuing from seed; -1 when it has none (a lone surrogate). */
-static int64_t crc_of(PyObject *s, uint32_t seed) {
+/* The message methods run() calls, looked up once per call on the messages' type. */
+enum { M_ERROR, M_VALUE, M_TOPIC, M_PARTITION, M_OFFSET, M_COUNT };
+static PyObject *method_names[M_COUNT];
+
+typedef struct {
+    PyTypeObject *type;
+    PyObject *descr[M_COUNT]; /* borrowed from the type; NULL: call by name */
+} Methods;
+
+static void methods_for(Methods *m, PyTypeObject *type) {
+    m->type = type;
+    for (int k = 0; k < M_COUNT; k++) {
+        PyObject *d = type->tp_dictoffset == 0 ? _PyType_Lookup(type, method_names[k]) : NULL;
+        m->descr[k] = d != NULL && (Py_IS_TYPE(d, &PyMethodDescr_Type) || PyFunction_Check(d)) ? d : NULL;
+    }
+}
+
+static PyObject *call(Methods *m, PyObject *msg, int k) {
+    if (Py_TYPE(msg) == m->type && m->descr[k] != NULL) return PyObject_Vectorcall(m->descr[k], &msg, 1, NULL);
+    return PyObject_CallMethodNoArgs(msg, method_names[k]);
+}
+
+/* Well-formed UTF-8 (what a strict decode accepts: no overlongs, no surrogates, nothing
+ * past U+10FFFF); *chars gets the number of code points. 1 if valid. */
+static int utf8_ok(const uint8_t *p, Py_ssize_t n, Py_ssize_t *chars) {
+    Py_ssize_t count = 0, i = 0;
+    while (i < n) {
+        /* eight ASCII bytes at a time */
+        while (i + 8 <= n) {
+            uint64_t word;
+            memcpy(&word, p + i, 8);
+            if (word & 0x8080808080808080ULL) break;
+            i += 8;
+            count += 8;
+        }
+        if (i >= n) break;
+        uint8_t c = p[i];
+        if (c < 0x80) {
+            i++;
+        } else if (c >= 0xC2 && c <= 0xDF) {
+            if (i + 1 >= n || (p[i + 1] & 0xC0) != 0x80) return 0;
+            i += 2;
+        } else if (c >= 0xE0 && c <= 0xEF) {
+            if (i + 2 >= n || (p[i + 1] & 0xC0) != 0x80 || (p[i + 2] & 0xC0) != 0x80) return 0;
+            if (c == 0xE0 && p[i + 1] < 0xA0) return 0; /* overlong */
+            if (c == 0xED && p[i + 1] > 0x9F) return 0; /* surrogate */
+            i += 3;
+        } else if (c >= 0xF0 && c <= 0xF4) {
+            if (i + 3 >= n || (p[i + 1] & 0xC0) != 0x80 || (p[i + 2] & 0xC0) != 0x80 || (p[i + 3] & 0xC0) != 0x80)
+                return 0;
+            if (c == 0xF0 && p[i + 1] < 0x90) return 0; /* overlong */
+            if (c == 0xF4 && p[i + 1] > 0x8F) return 0; /* past U+10FFFF */
+            i += 4;
+        } else {
+            return 0;
+        }
+        count++;
+    }
+    *chars = count;
+    return 1;
+}
+
+typedef struct {
+    const uint8_t *p;
+    Py_ssize_t n, chars;
+} Span;
+
+/* One request field as read: null, or a span (strings) or a number (ints, enum indexes). */
+typedef struct {
+    int null;
+    Span s;
+    int64_t v;
+} Field;
+
+/* The request program, unpacked once per run(). */
+typedef struct {
+    Py_ssize_t nfields, quick, max_record;
+    const uint8_t *ops;
+    Py_ssize_t cap[MAX_FIELDS];     /* strings: byte cap, -1 none */
+    Py_ssize_t members[MAX_FIELDS]; /* enums: how many symbols */
+    int which[MAX_FIELDS];          /* F_* or -1 */
+} RequestPlan;
+
+/* The response program, unpacked once per run(). */
+typedef struct {
+    Py_ssize_t nfields, max_record;
+    const uint8_t *ops;
+    int position[MAX_FIELDS];        /* R_* */
+    Py_ssize_t cap[MAX_FIELDS];      /* strings: byte cap, -1 none */
+    long map_entries[MAX_FIELDS];    /* maps: most entries */
+    Py_ssize_t map_bytes[MAX_FIELDS];/* maps: most bytes of a key or value */
+    int64_t completed;               /* the index of COMPLETED in the status enum */
+    int64_t requested[MAX_ENUM];     /* request priority index -> requested_priority index */
+    int64_t served[MAX_ENUM];        /* request priority index -> served_priority index */
+    int64_t served_eff[MAX_ENUM];    /* effective_priority index -> served_priority index */
+    long band[MAX_ENUM];             /* request priority index -> band */
+} ResponsePlan;
+
+static Py_ssize_t cap_of(PyObject *arg) {
+    if (arg == Py_None || !PyLong_Check(arg)) return -1;
+    Py_ssize_t cap = PyLong_AsSsize_t(arg);
+    if (cap == -1 && PyErr_Occurred()) PyErr_Clear();
+    return cap;
+}
+
+#define PROGRAM_SIZE 11
+
+static int request_plan(RequestPlan *plan, PyObject *program, PyObject *index) {
+    if (!PyTuple_CheckExact(program) || PyTuple_GET_SIZE(program) != PROGRAM_SIZE || !PyTuple_CheckExact(index) ||
+        PyTuple_GET_SIZE(index) != F_COUNT)
+        return -1;
+    PyObject *ops = PyTuple_GET_ITEM(program, 0), *args = PyTuple_GET_ITEM(program, 1);
+    if (!PyBytes_CheckExact(ops) || !PyTuple_CheckExact(args)) return -1;
+    plan->nfields = PyBytes_GET_SIZE(ops);
+    if (plan->nfields > MAX_FIELDS || PyTuple_GET_SIZE(args) != plan->nfields) return -1;
+    plan->ops = (const uint8_t *)PyBytes_AS_STRING(ops);
+    plan->quick = PyLong_AsSsize_t(PyTuple_GET_ITEM(program, 8));
+    plan->max_record = PyLong_AsSsize_t(PyTuple_GET_ITEM(program, 9));
+    if (PyErr_Occurred()) return -1;
+    for (Py_ssize_t i = 0; i < plan->nfields; i++) {
+        PyObject *arg = PyTuple_GET_ITEM(args, i);
+        plan->which[i] = -1;
+        plan->cap[i] = (plan->ops[i] & OP_TYPE) == OP_STRING ? cap_of(arg) : -1;
+        plan->members[i] = 0;
+        if ((plan->ops[i] & OP_TYPE) == OP_ENUM) {
+            if (!PyTuple_CheckExact(arg) || !PyTuple_CheckExact(PyTuple_GET_ITEM(arg, 0))) return -1;
+            plan->members[i] = PyTuple_GET_SIZE(PyTuple_GET_ITEM(arg, 0));
+        }
+    }
+    for (int k = 0; k < F_COUNT; k++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(index, k));
+        if (i < 0 || i >= plan->nfields) {
+            PyErr_Clear();
+            return -1;
+        }
+        plan->which[i] = k;
+        /* the type each is read as, and whether it may be null */
+        int type = plan->ops[i] & OP_TYPE, nullable = (plan->ops[i] & (NULL_FIRST | NULL_SECOND)) != 0;
+        int want_null = k == F_TRACE_ID || k == F_ADMITTED_AT || k == F_EFFECTIVE_PRIORITY || k == F_DEGRADED_FROM;
+        int want = k == F_PRIORITY || k == F_EFFECTIVE_PRIORITY ? OP_ENUM
+                   : k == F_MAX_TOKENS || k == F_CREATED_AT || k == F_TIMEOUT_MS || k == F_ADMITTED_AT ? -1
+                                                                                                   : OP_STRING;
+        if ((want == -1 ? type != OP_INT && type != OP_LONG : type != want) || (nullable && !want_null)) return -1;
+        if ((type == OP_ENUM) && plan->members[i] > MAX_ENUM) return -1;
+    }
+    return 0;
+}
+
+/* Read the request body [p, end) in place into f[F_*]. 1: read completely, canonically
+ * and within the caps; 0: leave the message to the Python path. */
+static int read_request(const RequestPlan *plan, const uint8_t *p, const uint8_t *end, Field *f) {
+    Reader r = {p, end};
+    for (Py_ssize_t i = 0; i < plan->nfields; i++) {
+        int op = plan->ops[i], k = plan->which[i];
+        Field field = {0, {NULL, 0, 0}, 0};
+        if (op & (NULL_FIRST | NULL_SECOND)) {
+            int64_t branch;
+            if (read_int(&r, &branch) < 0) return 0;
+            int null_branch = (op & NULL_FIRST) ? 0 : 1;
+            if (branch == null_branch) {
+                field.null = 1;
+                if (k >= 0) f[k] = field;
+                continue;
+            }
+            if (branch != 1 - null_branch) return 0;
+        }
+        switch (op & OP_TYPE) {
+        case OP_STRING: {
+            int64_t n;
+            if (read_long(&r, &n) < 0 || n < 0 || n > r.end - r.p) return 0;
+            if (plan->cap[i] >= 0 && n > plan->cap[i]) return 0;
+            if (!utf8_ok(r.p, (Py_ssize_t)n, &field.s.chars)) return 0;
+            field.s.p = r.p;
+            field.s.n = (Py_ssize_t)n;
+            r.p += n;
+            break;
+        }
+        case OP_INT:
+            if (read_int(&r, &field.v) < 0) return 0;
+            break;
+        case OP_LONG:
+            if (read_long(&r, &field.v) < 0) return 0;
+            break;
+        case OP_BOOL:
+            if (r.p >= r.end || *r.p > 1) return 0;
+            field.v = *r.p++;
+            break;
+        case OP_ENUM:
+            if (read_int(&r, &field.v) < 0 || field.v < 0 || field.v >= plan->members[i]) return 0;
+            break;
+        case OP_MAP: /* only an empty one: entries are the Python path's to bound and check */
+            if (read_long(&r, &field.v) < 0 || field.v != 0) return 0;
+            break;
+        default:
+            return 0;
+        }
+        if (k >= 0) f[k] = field;
+    }
+    return r.p == r.end;
+}
+
+/* The response program and the enum mappings; -1 when it is not the one this code writes. */
+static int response_plan(ResponsePlan *plan, PyObject *program, PyObject *completed, const RequestPlan *req,
+                         PyObject *req_program, PyObject *band_of, PyObject *request_index) {
+    if (!PyTuple_CheckExact(program) || PyTuple_GET_SIZE(program) != PROGRAM_SIZE) return -1;
+    PyObject *ops = PyTuple_GET_ITEM(program, 0), *args = PyTuple_GET_ITEM(program, 1);
+    PyObject *slots = PyTuple_GET_ITEM(program, 7);
+    if (!PyBytes_CheckExact(ops) || !PyTuple_CheckExact(args) || !PyTuple_CheckExact(slots)) return -1;
+    plan->nfields = PyBytes_GET_SIZE(ops);
+    if (plan->nfields > MAX_FIELDS || PyTuple_GET_SIZE(args) != plan->nfields ||
+        PyTuple_GET_SIZE(slots) != plan->nfields)
+        return -1;
+    plan->ops = (const uint8_t *)PyBytes_AS_STRING(ops);
+    plan->max_record = PyLong_AsSsize_t(PyTuple_GET_ITEM(program, 9));
+    if (PyErr_Occurred()) return -1;
+    int have_requested = 0, have_served = 0, have_status = 0;
+    for (Py_ssize_t i = 0; i < plan->nfields; i++) {
+        PyObject *arg = PyTuple_GET_ITEM(args, i);
+        Py_ssize_t position = PyLong_AsSsize_t(PyTuple_GET_ITEM(slots, i));
+        if (position < 0 || position >= RESPONSE_POSITIONS) return -1;
+        plan->position[i] = (int)position;
+        int type = plan->ops[i] & OP_TYPE;
+        plan->cap[i] = type == OP_STRING ? cap_of(arg) : -1;
+        if (type == OP_MAP) {
+            if (!PyTuple_CheckExact(arg) || PyTuple_GET_SIZE(arg) != 2) return -1;
+            plan->map_entries[i] = PyLong_AsLong(PyTuple_GET_ITEM(arg, 0));
+            plan->map_bytes[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(arg, 1));
+            if (PyErr_Occurred()) return -1;
+        }
+        if (type != OP_ENUM) continue;
+        if (!PyTuple_CheckExact(arg) || PyTuple_GET_SIZE(arg) != 2 || !PyDict_Check(PyTuple_GET_ITEM(arg, 1)))
+            return -1;
+        PyObject *to = PyTuple_GET_ITEM(arg, 1);
+        /* from: the request enum whose member this field carries */
+        int from_field = position == R_REQUESTED_PRIORITY ? F_PRIORITY : position == R_SERVED_PRIORITY ? F_PRIORITY : -1;
+        if (position == R_STATUS) {
+            PyObject *index = PyDict_GetItemWithError(to, completed);
+            if (index == NULL) return -1;
+            plan->completed = PyLong_AsLongLong(index);
+            have_status = 1;
+            continue;
+        }
+        if (from_field < 0) return -1;
+        for (int pass = 0; pass < (position == R_SERVED_PRIORITY ? 2 : 1); pass++) {
+            int f = pass == 0 ? F_PRIORITY : F_EFFECTIVE_PRIORITY;
+            Py_ssize_t ri = PyLong_AsSsize_t(PyTuple_GET_ITEM(request_index, f));
+            PyObject *members = PyTuple_GET_ITEM(PyTuple_GET_ITEM(PyTuple_GET_ITEM(req_program, 1), ri), 0);
+            Py_ssize_t n = PyTuple_GET_SIZE(members);
+            if (n > MAX_ENUM) return -1;
+            for (Py_ssize_t v = 0; v < n; v++) {
+                PyObject *member = PyTuple_GET_ITEM(members, v);
+                PyObject *index = PyDict_GetItemWithError(to, member);
+                if (index == NULL) return -1;
+                int64_t out = PyLong_AsLongLong(index);
+                if (position == R_REQUESTED_PRIORITY) plan->requested[v] = out;
+                else if (pass == 0) plan->served[v] = out;
+                else plan->served_eff[v] = out;
+                if (pass == 0 && position == R_REQUESTED_PRIORITY) {
+                    PyObject *band = PyDict_GetItemWithError(band_of, member);
+                    if (band == NULL) return -1;
+                    plan->band[v] = PyLong_AsLong(band);
+                    if (plan->band[v] < 0 || plan->band[v] >= NBANDS) return -1;
+                }
+            }
+        }
+        if (position == R_REQUESTED_PRIORITY) have_requested = 1;
+        else have_served = 1;
+    }
+    if (PyErr_Occurred() || !have_requested || !have_served || !have_status) return -1;
+    (void)req;
+    return 0;
+}
+
+/* One response field: null (NULL value), a string span, a number, or a one-entry map
+ * {"trace_id": span} (map with s.p != NULL) / {} (s.p == NULL). -1: not writable. */
+static int put_null(Writer *w, int op) {
+    if (!(op & (NULL_FIRST | NULL_SECOND))) return -1;
+    return put_long(w, (op & NULL_FIRST) ? 0 : 1);
+}
+
+static int put_branch(Writer *w, int op) {
+    if (!(op & (NULL_FIRST | NULL_SECOND))) return 0;
+    return put_long(w, (op & NULL_FIRST) ? 1 : 0);
+}
+
+static int put_str(Writer *w, int op, Py_ssize_t cap, const uint8_t *p, Py_ssize_t n) {
+    if ((op & OP_TYPE) != OP_STRING || (cap >= 0 && n > cap) || put_branch(w, op) < 0) return -1;
+    return put_bytes(w, (const char *)p, n);
+}
+
+static int put_num(Writer *w, int op, int64_t v) {
+    int type = op & OP_TYPE;
+    if (type != OP_INT && type != OP_LONG) return -1;
+    if (type == OP_INT && (v < INT32_MIN || v > INT32_MAX)) return -1;
+    if (put_branch(w, op) < 0) return -1;
+    return put_long(w, v);
+}
+
+static int put_enum(Writer *w, int op, int64_t index) {
+    if ((op & OP_TYPE) != OP_ENUM || put_branch(w, op) < 0) return -1;
+    return put_long(w, index);
+}
+
+/* crc32 of a str's UTF-8 bytes, continuing from seed; -1 when it has none. */
+static int64_t crc_of_str(PyObject *s, uint32_t seed) {
     Py_ssize_t n;
     const char *utf8 = PyUnicode_AsUTF8AndSize(s, &n);
     if (utf8 == NULL) {
@@ -103,45 +421,37 @@ static int get_ll(PyObject *v, long long *out) {
     return 0;
 }
 
-static int is_hex(Py_UCS4 c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
+static int is_hex(uint8_t c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
 
 /* validate_request's tenant check, for the tenants it can decide on alone: 1..max printable
  * ASCII characters, not all spaces. Anything else is left to the Python code. */
-static int tenant_ok(PyObject *s, Py_ssize_t max_chars) {
-    if (!PyUnicode_CheckExact(s) || PyUnicode_KIND(s) != PyUnicode_1BYTE_KIND) return 0;
-    Py_ssize_t n = PyUnicode_GET_LENGTH(s);
-    if (n < 1 || n > max_chars) return 0;
-    const Py_UCS1 *d = PyUnicode_1BYTE_DATA(s);
+static int tenant_ok(const Span *s, Py_ssize_t max_chars) {
+    if (s->n < 1 || s->n > max_chars) return 0;
     int printable = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (d[i] < 0x20 || d[i] > 0x7E) return 0;
-        if (d[i] != 0x20) printable = 1;
+    for (Py_ssize_t i = 0; i < s->n; i++) {
+        if (s->p[i] < 0x20 || s->p[i] > 0x7E) return 0;
+        if (s->p[i] != 0x20) printable = 1;
     }
     return printable;
 }
 
-static int uuid_ok(PyObject *s) {
-    if (!PyUnicode_CheckExact(s) || PyUnicode_KIND(s) != PyUnicode_1BYTE_KIND || PyUnicode_GET_LENGTH(s) != 36)
-        return 0;
-    const Py_UCS1 *d = PyUnicode_1BYTE_DATA(s);
+static int uuid_ok(const Span *s) {
+    if (s->n != 36) return 0;
     for (int i = 0; i < 36; i++) {
         if (i == 8 || i == 13 || i == 18 || i == 23) {
-            if (d[i] != '-') return 0;
-        } else if (!is_hex(d[i])) {
+            if (s->p[i] != '-') return 0;
+        } else if (!is_hex(s->p[i])) {
             return 0;
         }
     }
     return 1;
 }
 
-static int trace_ok(PyObject *s, Py_ssize_t max_chars) {
-    if (s == Py_None) return 1;
-    if (!PyUnicode_CheckExact(s) || PyUnicode_KIND(s) != PyUnicode_1BYTE_KIND) return 0;
-    Py_ssize_t n = PyUnicode_GET_LENGTH(s);
-    if (n < 1 || n > max_chars) return 0;
-    const Py_UCS1 *d = PyUnicode_1BYTE_DATA(s);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_UCS1 c = d[i];
+static int trace_ok(const Field *f, Py_ssize_t max_chars) {
+    if (f->null) return 1;
+    if (f->s.n < 1 || f->s.n > max_chars) return 0;
+    for (Py_ssize_t i = 0; i < f->s.n; i++) {
+        uint8_t c = f->s.p[i];
         if (!((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
               c == ':' || c == '-'))
             return 0;
@@ -149,94 +459,122 @@ static int trace_ok(PyObject *s, Py_ssize_t max_chars) {
     return 1;
 }
 
-static int nonempty_str(PyObject *s) { return PyUnicode_CheckExact(s) && PyUnicode_GET_LENGTH(s) > 0; }
-
-/* The message methods run() calls, looked up once per call on the messages' type. */
-enum { M_ERROR, M_VALUE, M_TOPIC, M_PARTITION, M_OFFSET, M_COUNT };
-static PyObject *method_names[M_COUNT];
-static PyObject *s_trace_id;
+/* -- per-run tables: distinct tenants and models, found by their bytes ---------------- */
 
 typedef struct {
-    PyTypeObject *type;
-    PyObject *descr[M_COUNT]; /* borrowed from the type; NULL: call by name */
-} Methods;
+    uint64_t hash;
+    PyObject *str; /* NULL: empty slot */
+    Py_ssize_t index;
+} Entry;
 
-static void methods_for(Methods *m, PyTypeObject *type) {
-    m->type = type;
-    for (int k = 0; k < M_COUNT; k++) {
-        PyObject *d = type->tp_dictoffset == 0 ? _PyType_Lookup(type, method_names[k]) : NULL;
-        m->descr[k] = d != NULL && (Py_IS_TYPE(d, &PyMethodDescr_Type) || PyFunction_Check(d)) ? d : NULL;
+typedef struct {
+    Entry *slots;
+    Py_ssize_t mask, used;
+    PyObject **strs; /* by index */
+} Table;
+
+static int table_init(Table *t, Py_ssize_t most) {
+    Py_ssize_t cap = 16;
+    while (cap < 2 * most + 2) cap *= 2;
+    t->slots = PyMem_Calloc(cap, sizeof(Entry));
+    t->strs = PyMem_Calloc(most + 1, sizeof(PyObject *));
+    t->mask = cap - 1;
+    t->used = 0;
+    return t->slots && t->strs ? 0 : -1;
+}
+
+static void table_free(Table *t) {
+    for (Py_ssize_t i = 0; i < t->used; i++) Py_XDECREF(t->strs[i]);
+    PyMem_Free(t->slots);
+    PyMem_Free(t->strs);
+}
+
+static uint64_t fnv1a(const uint8_t *p, Py_ssize_t n) {
+    uint64_t h = 1469598103934665603ULL;
+    for (Py_ssize_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ULL;
+    return h;
+}
+
+/* The index of the UTF-8 span s in t, adding it (as a new str) if new: >= 0, or -1 with an
+ * exception set. *added says whether it was new. */
+static Py_ssize_t table_find(Table *t, const Span *s, int *added) {
+    uint64_t h = fnv1a(s->p, s->n);
+    Py_ssize_t i = (Py_ssize_t)(h & (uint64_t)t->mask);
+    *added = 0;
+    for (;;) {
+        Entry *e = &t->slots[i];
+        if (e->str == NULL) break;
+        if (e->hash == h) {
+            Py_ssize_t n;
+            const char *utf8 = PyUnicode_AsUTF8AndSize(e->str, &n);
+            if (utf8 != NULL && n == s->n && memcmp(utf8, s->p, n) == 0) return e->index;
+        }
+        i = (i + 1) & t->mask;
     }
+    PyObject *str = PyUnicode_DecodeUTF8((const char *)s->p, s->n, "strict");
+    if (str == NULL) return -1;
+    Entry *e = &t->slots[i];
+    e->hash = h;
+    e->str = str; /* owned through t->strs */
+    e->index = t->used;
+    t->strs[t->used] = str;
+    *added = 1;
+    return t->used++;
 }
 
-static PyObject *call(Methods *m, PyObject *msg, int k) {
-    if (Py_TYPE(msg) == m->type && m->descr[k] != NULL) return PyObject_Vectorcall(m->descr[k], &msg, 1, NULL);
-    return PyObject_CallMethodNoArgs(msg, method_names[k]);
-}
+/* -- metric sums, in C until the end of the run -------------------------------------- */
 
-/* Per-run sums of the metrics, in C until the end of the run. */
 typedef struct {
     Py_ssize_t nbuckets; /* bounds + 1 (+Inf) */
     long long band_count[NBANDS], band_prompt[NBANDS], band_completion[NBANDS];
     double band_wait[NBANDS];
     long long band_buckets[NBANDS][MAX_BOUNDS + 1];
-    PyObject *tenant_index; /* {tenant: i} */
-    PyObject **tenant_key;  /* [i]: the tenant's UTF-8 bytes (the message key) */
-    long long *tenant_count, *tenant_buckets; /* [i], [i * nbuckets + b] */
+    Table tenants, models;
+    PyObject **tenant_key;                    /* [tenant]: its UTF-8 bytes, the message key */
+    long long *tenant_count, *tenant_buckets; /* [tenant], [tenant * nbuckets + bucket] */
     double *tenant_wait;
-    PyObject *model_index; /* {model: i} */
-    long long *model_count; /* [i * NBANDS + band] */
-    Py_ssize_t tenants, models, capacity;
+    uint32_t *model_crc;    /* [model]: crc32 of its UTF-8, the simulated model's seed */
+    long long *model_count; /* [model * NBANDS + band] */
 } Sums;
 
-static int sums_init(Sums *t, Py_ssize_t nbuckets, Py_ssize_t capacity) {
+static int sums_init(Sums *t, Py_ssize_t nbuckets, Py_ssize_t most) {
     memset(t, 0, sizeof *t);
     t->nbuckets = nbuckets;
-    t->capacity = capacity < 1 ? 1 : capacity;
-    t->tenant_index = PyDict_New();
-    t->model_index = PyDict_New();
-    t->tenant_key = PyMem_Calloc(t->capacity, sizeof(PyObject *));
-    t->tenant_count = PyMem_Calloc(t->capacity, sizeof(long long));
-    t->tenant_buckets = PyMem_Calloc(t->capacity * nbuckets, sizeof(long long));
-    t->tenant_wait = PyMem_Calloc(t->capacity, sizeof(double));
-    t->model_count = PyMem_Calloc(t->capacity * NBANDS, sizeof(long long));
-    if (!t->tenant_index || !t->model_index || !t->tenant_key || !t->tenant_count || !t->tenant_buckets ||
-        !t->tenant_wait || !t->model_count) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    if (most < 1) most = 1;
+    if (table_init(&t->tenants, most) < 0 || table_init(&t->models, most) < 0) goto nomem;
+    t->tenant_key = PyMem_Calloc(most, sizeof(PyObject *));
+    t->tenant_count = PyMem_Calloc(most, sizeof(long long));
+    t->tenant_buckets = PyMem_Calloc(most * nbuckets, sizeof(long long));
+    t->tenant_wait = PyMem_Calloc(most, sizeof(double));
+    t->model_crc = PyMem_Calloc(most, sizeof(uint32_t));
+    t->model_count = PyMem_Calloc(most * NBANDS, sizeof(long long));
+    if (!t->tenant_key || !t->tenant_count || !t->tenant_buckets || !t->tenant_wait || !t->model_crc ||
+        !t->model_count)
+        goto nomem;
     return 0;
+nomem:
+    PyErr_NoMemory();
+    return -1;
 }
 
 static void sums_free(Sums *t) {
-    for (Py_ssize_t i = 0; i < t->tenants; i++) Py_XDECREF(t->tenant_key[i]);
-    Py_XDECREF(t->tenant_index);
-    Py_XDECREF(t->model_index);
+    if (t->tenant_key != NULL)
+        for (Py_ssize_t i = 0; i < t->tenants.used; i++) Py_XDECREF(t->tenant_key[i]);
+    table_free(&t->tenants);
+    table_free(&t->models);
     PyMem_Free(t->tenant_key);
     PyMem_Free(t->tenant_count);
     PyMem_Free(t->tenant_buckets);
     PyMem_Free(t->tenant_wait);
+    PyMem_Free(t->model_crc);
     PyMem_Free(t->model_count);
 }
 
-/* The index of key in index (adding it as the next one): >= 0, or -1 with an exception set. */
-static Py_ssize_t index_of(PyObject *index, PyObject *key, Py_ssize_t *used) {
-    PyObject *i = PyDict_GetItemWithError(index, key);
-    if (i != NULL) return PyLong_AsSsize_t(i);
-    if (PyErr_Occurred()) return -1;
-    i = PyLong_FromSsize_t(*used);
-    if (i == NULL || PyDict_SetItem(index, key, i) < 0) {
-        Py_XDECREF(i);
-        return -1;
-    }
-    Py_DECREF(i);
-    return (*used)++;
-}
-
+/* A list of head (stolen on success) followed by the ints of values. */
 static PyObject *int_list(const long long *values, Py_ssize_t n, Py_ssize_t prefix, PyObject **head) {
     PyObject *list = PyList_New(prefix + n);
     if (list == NULL) return NULL;
-    for (Py_ssize_t k = 0; k < prefix; k++) PyList_SET_ITEM(list, k, head[k]); /* stolen */
+    for (Py_ssize_t k = 0; k < prefix; k++) PyList_SET_ITEM(list, k, head[k]);
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *v = PyLong_FromLongLong(values[k]);
         if (v == NULL) {
@@ -249,34 +587,27 @@ static PyObject *int_list(const long long *values, Py_ssize_t n, Py_ssize_t pref
     return list;
 }
 
-/* The sums as run() returns them: (bands, tenants, models). */
+/* The sums as run() returns them: a tuple (bands, tenants, models). */
 static PyObject *sums_result(Sums *t) {
     PyObject *bands = PyList_New(NBANDS), *tenants = PyDict_New(), *models = PyDict_New();
     if (!bands || !tenants || !models) goto fail;
     for (int b = 0; b < NBANDS; b++) {
-        PyObject *agg = Py_None;
-        Py_INCREF(Py_None);
-        if (t->band_count[b]) {
-            Py_DECREF(Py_None);
-            PyObject *head[4] = {PyLong_FromLongLong(t->band_count[b]), PyLong_FromLongLong(t->band_prompt[b]),
-                                 PyLong_FromLongLong(t->band_completion[b]), PyFloat_FromDouble(t->band_wait[b])};
-            if (!head[0] || !head[1] || !head[2] || !head[3]) {
-                for (int k = 0; k < 4; k++) Py_XDECREF(head[k]);
-                PyList_SET_ITEM(bands, b, NULL);
-                goto fail;
-            }
-            agg = int_list(t->band_buckets[b], t->nbuckets, 4, head);
-            if (agg == NULL) {
-                for (int k = 0; k < 4; k++) Py_DECREF(head[k]);
-                goto fail;
-            }
+        if (!t->band_count[b]) {
+            Py_INCREF(Py_None);
+            PyList_SET_ITEM(bands, b, Py_None);
+            continue;
+        }
+        PyObject *head[4] = {PyLong_FromLongLong(t->band_count[b]), PyLong_FromLongLong(t->band_prompt[b]),
+                             PyLong_FromLongLong(t->band_completion[b]), PyFloat_FromDouble(t->band_wait[b])};
+        PyObject *agg = head[0] && head[1] && head[2] && head[3] ? int_list(t->band_buckets[b], t->nbuckets, 4, head)
+                                                                 : NULL;
+        if (agg == NULL) {
+            for (int k = 0; k < 4; k++) Py_XDECREF(head[k]);
+            goto fail;
         }
         PyList_SET_ITEM(bands, b, agg);
     }
-    Py_ssize_t it = 0;
-    PyObject *key, *index;
-    while (PyDict_Next(t->tenant_index, &it, &key, &index)) {
-        Py_ssize_t i = PyLong_AsSsize_t(index);
+    for (Py_ssize_t i = 0; i < t->tenants.used; i++) {
         PyObject *head[2] = {PyLong_FromLongLong(t->tenant_count[i]), PyFloat_FromDouble(t->tenant_wait[i])};
         PyObject *agg = head[0] && head[1] ? int_list(t->tenant_buckets + i * t->nbuckets, t->nbuckets, 2, head) : NULL;
         if (agg == NULL) {
@@ -284,16 +615,14 @@ static PyObject *sums_result(Sums *t) {
             Py_XDECREF(head[1]);
             goto fail;
         }
-        int failed = PyDict_SetItem(tenants, key, agg);
+        int failed = PyDict_SetItem(tenants, t->tenants.strs[i], agg);
         Py_DECREF(agg);
         if (failed) goto fail;
     }
-    it = 0;
-    while (PyDict_Next(t->model_index, &it, &key, &index)) {
-        Py_ssize_t i = PyLong_AsSsize_t(index);
+    for (Py_ssize_t i = 0; i < t->models.used; i++) {
         PyObject *agg = int_list(t->model_count + i * NBANDS, NBANDS, 0, NULL);
         if (agg == NULL) goto fail;
-        int failed = PyDict_SetItem(models, key, agg);
+        int failed = PyDict_SetItem(models, t->models.strs[i], agg);
         Py_DECREF(agg);
         if (failed) goto fail;
     }
@@ -309,7 +638,68 @@ fail:
     return NULL;
 }
 
-#define SLOT(obj, k) (*(PyObject **)((char *)(obj) + slot_at[k]))
+static PyObject *s_trace_id_bytes; /* b"trace_id" */
+
+/* The COMPLETED response, straight from the request's fields, into w (header first).
+ * 0, or -1: not writable here (the Python path writes it, or its FAILED fallback). */
+static int write_response(const ResponsePlan *plan, Writer *w, PyObject *header, const Field *f,
+                          const uint8_t *output, Py_ssize_t output_n, int64_t prompt_tokens, int64_t tokens,
+                          long long started, long long finished, const uint8_t *worker, Py_ssize_t worker_n) {
+    Py_ssize_t hlen = PyBytes_GET_SIZE(header);
+    if (reserve(w, hlen) < 0) return -1;
+    memcpy(w->buf, PyBytes_AS_STRING(header), hlen);
+    w->len = hlen;
+    for (Py_ssize_t i = 0; i < plan->nfields; i++) {
+        int op = plan->ops[i], rc;
+        Py_ssize_t cap = plan->cap[i];
+        switch (plan->position[i]) {
+        case R_REQUEST_ID: rc = put_str(w, op, cap, f[F_REQUEST_ID].s.p, f[F_REQUEST_ID].s.n); break;
+        case R_TENANT_ID: rc = put_str(w, op, cap, f[F_TENANT_ID].s.p, f[F_TENANT_ID].s.n); break;
+        case R_STATUS: rc = put_enum(w, op, plan->completed); break;
+        case R_OUTPUT: rc = put_str(w, op, cap, output, output_n); break;
+        case R_PROMPT_TOKENS: rc = put_num(w, op, prompt_tokens); break;
+        case R_COMPLETION_TOKENS: rc = put_num(w, op, tokens); break;
+        case R_MODEL: rc = put_str(w, op, cap, f[F_MODEL].s.p, f[F_MODEL].s.n); break;
+        case R_DEGRADED:
+            rc = (op & OP_TYPE) != OP_BOOL || put_branch(w, op) < 0 || reserve(w, 1) < 0 ? -1 : 0;
+            if (rc == 0) w->buf[w->len++] = f[F_DEGRADED_FROM].null ? 0 : 1;
+            break;
+        case R_REQUESTED_PRIORITY: rc = put_enum(w, op, plan->requested[f[F_PRIORITY].v]); break;
+        case R_SERVED_PRIORITY:
+            rc = put_enum(w, op, f[F_EFFECTIVE_PRIORITY].null ? plan->served[f[F_PRIORITY].v]
+                                                              : plan->served_eff[f[F_EFFECTIVE_PRIORITY].v]);
+            break;
+        case R_CREATED_AT: rc = put_num(w, op, f[F_CREATED_AT].v); break;
+        case R_ADMITTED_AT:
+            rc = f[F_ADMITTED_AT].null ? put_null(w, op) : put_num(w, op, f[F_ADMITTED_AT].v);
+            break;
+        case R_STARTED_AT: rc = put_num(w, op, started); break;
+        case R_FINISHED_AT: rc = put_num(w, op, finished); break;
+        case R_WORKER_ID: rc = put_str(w, op, cap, worker, worker_n); break;
+        case R_METADATA: {
+            if ((op & OP_TYPE) != OP_MAP || put_branch(w, op) < 0) {
+                rc = -1;
+                break;
+            }
+            if (f[F_TRACE_ID].null) {
+                rc = put_long(w, 0);
+                break;
+            }
+            Py_ssize_t kn = PyBytes_GET_SIZE(s_trace_id_bytes);
+            rc = plan->map_entries[i] < 1 || kn > plan->map_bytes[i] || f[F_TRACE_ID].s.n > plan->map_bytes[i] ||
+                         put_long(w, 1) < 0 || put_bytes(w, PyBytes_AS_STRING(s_trace_id_bytes), kn) < 0 ||
+                         put_bytes(w, (const char *)f[F_TRACE_ID].s.p, f[F_TRACE_ID].s.n) < 0 || put_long(w, 0) < 0
+                     ? -1
+                     : 0;
+            break;
+        }
+        default: /* reason, retry_after_ms, queue_position, eta_ms */
+            rc = put_null(w, op);
+        }
+        if (rc < 0) return -1;
+    }
+    return w->len > plan->max_record ? -1 : 0;
+}
 
 static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != CTX_SIZE ||
@@ -324,32 +714,29 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "start, started_ms and finished_ms must be ints");
         return NULL;
     }
-    PyObject *decode = PyTuple_GET_ITEM(ctx, 0), *req_header = PyTuple_GET_ITEM(ctx, 1);
-    PyObject *offsets = PyTuple_GET_ITEM(ctx, 2), *encode = PyTuple_GET_ITEM(ctx, 3);
-    PyObject *resp_header = PyTuple_GET_ITEM(ctx, 4), *completed = PyTuple_GET_ITEM(ctx, 5);
-    PyObject *worker_id = PyTuple_GET_ITEM(ctx, 6), *answers = PyTuple_GET_ITEM(ctx, 7);
-    PyObject *seen = PyTuple_GET_ITEM(ctx, 9), *cancelled = PyTuple_GET_ITEM(ctx, 10);
-    PyObject *band_of = PyTuple_GET_ITEM(ctx, 11), *bounds = PyTuple_GET_ITEM(ctx, 12);
-    PyObject *request_type = PyTuple_GET_ITEM(ctx, 17);
+    PyObject *req_header = PyTuple_GET_ITEM(ctx, 2), *resp_header = PyTuple_GET_ITEM(ctx, 4);
+    PyObject *completed = PyTuple_GET_ITEM(ctx, 5), *worker_id = PyTuple_GET_ITEM(ctx, 6);
+    PyObject *answers = PyTuple_GET_ITEM(ctx, 7), *seen = PyTuple_GET_ITEM(ctx, 9);
+    PyObject *cancelled = PyTuple_GET_ITEM(ctx, 10), *band_of = PyTuple_GET_ITEM(ctx, 11);
+    PyObject *bounds = PyTuple_GET_ITEM(ctx, 12);
     long long max_out, max_skew, max_tokens_limit, max_tenant, max_trace;
+    RequestPlan rplan;
+    ResponsePlan wplan;
+    Py_ssize_t worker_n = 0;
+    const char *worker = PyUnicode_Check(worker_id) ? PyUnicode_AsUTF8AndSize(worker_id, &worker_n) : NULL;
     if (get_ll(PyTuple_GET_ITEM(ctx, 8), &max_out) < 0 || get_ll(PyTuple_GET_ITEM(ctx, 13), &max_skew) < 0 ||
         get_ll(PyTuple_GET_ITEM(ctx, 14), &max_tokens_limit) < 0 || get_ll(PyTuple_GET_ITEM(ctx, 15), &max_tenant) < 0 ||
         get_ll(PyTuple_GET_ITEM(ctx, 16), &max_trace) < 0 || !PyBytes_CheckExact(req_header) ||
-        !PyTuple_CheckExact(offsets) || PyTuple_GET_SIZE(offsets) != F_COUNT || !PyTuple_CheckExact(answers) ||
+        !PyBytes_CheckExact(resp_header) || worker == NULL || !PyTuple_CheckExact(answers) ||
         PyTuple_GET_SIZE(answers) != 256 || !PyAnySet_CheckExact(seen) || !PyDict_Check(band_of) ||
         !PyTuple_CheckExact(bounds) || PyTuple_GET_SIZE(bounds) > MAX_BOUNDS || max_out < 1 ||
-        (cancelled != Py_None && !PyDict_Check(cancelled)) || !PyType_Check(request_type)) {
+        (cancelled != Py_None && !PyDict_Check(cancelled)) ||
+        request_plan(&rplan, PyTuple_GET_ITEM(ctx, 0), PyTuple_GET_ITEM(ctx, 1)) < 0 ||
+        response_plan(&wplan, PyTuple_GET_ITEM(ctx, 3), completed, &rplan, PyTuple_GET_ITEM(ctx, 0), band_of,
+                      PyTuple_GET_ITEM(ctx, 1)) < 0) {
+        PyErr_Clear();
         PyErr_SetString(PyExc_TypeError, "malformed fast-lane context");
         return NULL;
-    }
-    Py_ssize_t slot_at[F_COUNT];
-    for (int k = 0; k < F_COUNT; k++) {
-        slot_at[k] = PyLong_AsSsize_t(PyTuple_GET_ITEM(offsets, k));
-        if (slot_at[k] <= 0 || (size_t)slot_at[k] + sizeof(PyObject *) > (size_t)((PyTypeObject *)request_type)->tp_basicsize) {
-            PyErr_Clear();
-            PyErr_SetString(PyExc_TypeError, "malformed fast-lane context: slot offsets");
-            return NULL;
-        }
     }
     Py_ssize_t nbounds = PyTuple_GET_SIZE(bounds);
     double bound[MAX_BOUNDS];
@@ -362,144 +749,104 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 
     Sums sums;
     PyObject *values = PyList_New(0), *keys = PyList_New(0), *ids = PyList_New(0), *runs = PyList_New(0);
-    PyObject *header_len = PyLong_FromSsize_t(rh_len), *started_obj = PyLong_FromLongLong(started);
-    PyObject *finished_obj = PyLong_FromLongLong(finished);
     PyObject *pos = NULL, *result = NULL, *sums_out = NULL;
     PyObject *run_topic = NULL, *run_offsets = NULL; /* borrowed from runs */
     long run_partition = -1;
     int sums_ready = sums_init(&sums, nbounds + 1, n - start) == 0;
-    if (!values || !keys || !ids || !runs || !header_len || !started_obj || !finished_obj || !sums_ready) goto fail;
+    if (!values || !keys || !ids || !runs || !sums_ready) goto fail;
     Methods methods = {NULL, {NULL}};
+    uint8_t local[2048];
     Py_ssize_t i = start;
     for (; i < n; i++) {
         PyObject *msg = PyList_GET_ITEM(msgs, i);
         if (Py_TYPE(msg) != methods.type) methods_for(&methods, Py_TYPE(msg));
-        PyObject *req = NULL, *topic = NULL, *value = NULL, *tmp = NULL;
-        /* -- decode: only a current-schema single-object body the native decoder reads */
-        tmp = call(&methods, msg, M_ERROR);
+        PyObject *tmp = call(&methods, msg, M_ERROR);
         if (tmp == NULL) goto fail;
         int is_error = tmp != Py_None;
         Py_DECREF(tmp);
         if (is_error) break;
-        value = call(&methods, msg, M_VALUE);
+        /* -- read: only a current-schema single-object body, as the native decoder would */
+        PyObject *value = call(&methods, msg, M_VALUE);
         if (value == NULL) goto fail;
-        if (!PyBytes_CheckExact(value) || PyBytes_GET_SIZE(value) <= rh_len ||
-            memcmp(PyBytes_AS_STRING(value), rh, rh_len) != 0) {
+        Py_ssize_t size = PyBytes_CheckExact(value) ? PyBytes_GET_SIZE(value) : -1;
+        const uint8_t *data = size >= 0 ? (const uint8_t *)PyBytes_AS_STRING(value) : NULL;
+        Field f[F_COUNT];
+        int ok = size > rh_len && memcmp(data, rh, rh_len) == 0 && size - rh_len <= rplan.quick &&
+                 size <= rplan.max_record && read_request(&rplan, data + rh_len, data + size, f);
+        /* -- validate_request, expiry (the duplicate and cancellation checks need the id) */
+        ok = ok && tenant_ok(&f[F_TENANT_ID].s, (Py_ssize_t)max_tenant) && f[F_PROMPT].s.n > 0 &&
+             f[F_MAX_TOKENS].v > 0 && f[F_MAX_TOKENS].v <= max_tokens_limit && f[F_TIMEOUT_MS].v > 0 &&
+             f[F_MODEL].s.n > 0 && uuid_ok(&f[F_REQUEST_ID].s) && trace_ok(&f[F_TRACE_ID], (Py_ssize_t)max_trace) &&
+             f[F_CREATED_AT].v <= started + max_skew && f[F_CREATED_AT].v + f[F_TIMEOUT_MS].v > started;
+        if (!ok) {
             Py_DECREF(value);
             break;
         }
-        PyObject *call_args[2] = {value, header_len};
-        req = PyObject_Vectorcall(decode, call_args, 2, NULL);
-        Py_DECREF(value);
-        if (req == NULL) goto fail;
-        if ((PyObject *)Py_TYPE(req) != request_type) { /* None: not read natively */
-            Py_DECREF(req);
-            break;
+        PyObject *request_id = PyUnicode_DecodeASCII((const char *)f[F_REQUEST_ID].s.p, 36, "strict");
+        if (request_id == NULL) {
+            Py_DECREF(value);
+            goto fail;
         }
-        /* -- validate_request, expiry, cancellation, duplicate (checked, not yet recorded) */
-        PyObject *f[F_COUNT];
-        int ok = 1;
-        for (int k = 0; k < F_COUNT && ok; k++) ok = (f[k] = SLOT(req, k)) != NULL;
-        long long max_tokens = 0, created_at = 0, timeout_ms = 0;
-        ok = ok && tenant_ok(f[F_TENANT_ID], (Py_ssize_t)max_tenant) && nonempty_str(f[F_PROMPT]) &&
-             get_ll(f[F_MAX_TOKENS], &max_tokens) == 0 && max_tokens > 0 && max_tokens <= max_tokens_limit &&
-             get_ll(f[F_TIMEOUT_MS], &timeout_ms) == 0 && timeout_ms > 0 && nonempty_str(f[F_MODEL]) &&
-             uuid_ok(f[F_REQUEST_ID]) && trace_ok(f[F_TRACE_ID], (Py_ssize_t)max_trace) &&
-             get_ll(f[F_CREATED_AT], &created_at) == 0 && created_at <= started + max_skew &&
-             created_at + timeout_ms > started && PyDict_CheckExact(f[F_METADATA]) &&
-             PyDict_GET_SIZE(f[F_METADATA]) == 0 && (f[F_ADMITTED_AT] == Py_None || PyLong_CheckExact(f[F_ADMITTED_AT]));
-        PyObject *band_index = ok ? PyDict_GetItemWithError(band_of, f[F_PRIORITY]) : NULL;
-        if (ok && band_index == NULL) {
-            if (PyErr_Occurred()) goto fail_req;
-            ok = 0;
-        }
-        if (ok && f[F_EFFECTIVE_PRIORITY] != Py_None && PyDict_GetItemWithError(band_of, f[F_EFFECTIVE_PRIORITY]) == NULL) {
-            if (PyErr_Occurred()) goto fail_req;
-            ok = 0;
-        }
-        if (ok) {
-            int found = PySet_Contains(seen, f[F_REQUEST_ID]);
-            if (found < 0) goto fail_req;
-            if (!found && cancelled != Py_None) {
-                found = PyDict_Contains(cancelled, f[F_REQUEST_ID]);
-                if (found < 0) goto fail_req;
-            }
-            ok = !found;
-        }
-        long band = ok ? PyLong_AsLong(band_index) : -1;
-        if (band < 0 || band >= NBANDS) {
-            PyErr_Clear();
-            Py_DECREF(req);
+        int found = PySet_Contains(seen, request_id);
+        if (found == 0 && cancelled != Py_None) found = PyDict_Contains(cancelled, request_id);
+        if (found != 0) {
+            Py_DECREF(request_id);
+            Py_DECREF(value);
+            if (found < 0) goto fail;
             break;
         }
         /* -- the simulated model: SimulatedBackend._answer */
-        long long tokens = max_tokens > max_out ? max_out : (max_tokens < 1 ? 1 : max_tokens);
-        int64_t seed = crc_of(f[F_MODEL], 0);
-        int64_t variant = seed < 0 ? -1 : crc_of(f[F_PROMPT], (uint32_t)seed);
-        if (variant < 0) {
-            Py_DECREF(req);
-            break;
+        int added;
+        Py_ssize_t m = table_find(&sums.models, &f[F_MODEL].s, &added);
+        if (m < 0) {
+            Py_DECREF(request_id);
+            Py_DECREF(value);
+            goto fail;
         }
-        PyObject *sentences = PyTuple_GET_ITEM(answers, variant % 256);
-        if (!PyTuple_CheckExact(sentences) || PyTuple_GET_SIZE(sentences) <= tokens) {
-            Py_DECREF(req);
-            break;
-        }
-        PyObject *output = PyTuple_GET_ITEM(sentences, tokens);
-        Py_ssize_t prompt_chars = PyUnicode_GET_LENGTH(f[F_PROMPT]);
-        long long prompt_tokens = (prompt_chars + 3) / 4;
+        if (added) sums.model_crc[m] = crc32_update(0, f[F_MODEL].s.p, f[F_MODEL].s.n);
+        int64_t tokens = f[F_MAX_TOKENS].v > max_out ? max_out : (f[F_MAX_TOKENS].v < 1 ? 1 : f[F_MAX_TOKENS].v);
+        uint32_t variant = crc32_update(sums.model_crc[m], f[F_PROMPT].s.p, f[F_PROMPT].s.n) % 256;
+        PyObject *sentences = PyTuple_GET_ITEM(answers, variant);
+        Py_ssize_t output_n = 0;
+        const char *output = PyTuple_CheckExact(sentences) && PyTuple_GET_SIZE(sentences) > tokens
+                                 ? PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(sentences, tokens), &output_n)
+                                 : NULL;
+        int64_t prompt_tokens = (f[F_PROMPT].s.chars + 3) / 4;
         if (prompt_tokens == 0) prompt_tokens = 1;
-        /* -- the COMPLETED response, in RESPONSE_FIELDS order (as _respond_completed_many builds it) */
-        PyObject *meta = PyDict_New();
-        if (meta == NULL) goto fail_req;
-        if (f[F_TRACE_ID] != Py_None && PyDict_SetItem(meta, s_trace_id, f[F_TRACE_ID]) < 0) {
-            Py_DECREF(meta);
-            goto fail_req;
-        }
-        PyObject *served = f[F_EFFECTIVE_PRIORITY] != Py_None ? f[F_EFFECTIVE_PRIORITY] : f[F_PRIORITY];
-        PyObject *prompt_obj = PyLong_FromLongLong(prompt_tokens), *tokens_obj = PyLong_FromLongLong(tokens);
-        PyObject *fields = prompt_obj && tokens_obj ? PyTuple_New(20) : NULL;
-        if (fields == NULL) {
-            Py_DECREF(meta);
-            Py_XDECREF(prompt_obj);
-            Py_XDECREF(tokens_obj);
-            goto fail_req;
-        }
-        PyObject *items[20] = {
-            f[F_REQUEST_ID], f[F_TENANT_ID], completed, Py_None, output, prompt_obj, tokens_obj, f[F_MODEL],
-            f[F_DEGRADED_FROM] != Py_None ? Py_True : Py_False, f[F_PRIORITY], served, f[F_CREATED_AT],
-            f[F_ADMITTED_AT], started_obj, finished_obj, worker_id, Py_None, meta, Py_None, Py_None,
-        };
-        for (int k = 0; k < 20; k++) {
-            if (k != 5 && k != 6 && k != 17) Py_INCREF(items[k]); /* the three new ones are stolen */
-            PyTuple_SET_ITEM(fields, k, items[k]);
-        }
-        PyObject *enc_args[2] = {fields, resp_header};
-        PyObject *encoded = PyObject_Vectorcall(encode, enc_args, 2, NULL);
-        Py_DECREF(fields);
-        if (encoded == NULL) goto fail_req;
-        if (encoded == Py_None) { /* e.g. over the size caps: the Python path answers FAILED */
-            Py_DECREF(encoded);
-            Py_DECREF(req);
+        /* -- the COMPLETED response, as _respond_completed_many writes it */
+        Writer w = {local, 0, sizeof local, local};
+        int written = output != NULL && write_response(&wplan, &w, resp_header, f, (const uint8_t *)output, output_n,
+                                                       prompt_tokens, tokens, started, finished,
+                                                       (const uint8_t *)worker, worker_n) == 0;
+        PyErr_Clear();
+        PyObject *encoded = written ? PyBytes_FromStringAndSize((const char *)w.buf, w.len) : NULL;
+        writer_free(&w);
+        if (!written) { /* e.g. over the size caps: the Python path answers FAILED */
+            Py_DECREF(request_id);
+            Py_DECREF(value);
             break;
         }
         /* -- recorded: the answer, the id, where it came from, the metric sums */
-        Py_ssize_t used = sums.tenants;
-        Py_ssize_t t = index_of(sums.tenant_index, f[F_TENANT_ID], &sums.tenants);
-        if (t >= 0 && t == used) {
-            sums.tenant_key[t] = PyUnicode_AsUTF8String(f[F_TENANT_ID]);
+        Py_ssize_t t = encoded ? table_find(&sums.tenants, &f[F_TENANT_ID].s, &added) : -1;
+        if (t >= 0 && added) {
+            sums.tenant_key[t] = PyBytes_FromStringAndSize((const char *)f[F_TENANT_ID].s.p, f[F_TENANT_ID].s.n);
             if (sums.tenant_key[t] == NULL) t = -1;
         }
         int failed = t < 0 || PyList_Append(values, encoded) < 0 || PyList_Append(keys, sums.tenant_key[t]) < 0 ||
-                     PySet_Add(seen, f[F_REQUEST_ID]) < 0 || PyList_Append(ids, f[F_REQUEST_ID]) < 0;
-        Py_DECREF(encoded);
-        if (failed) goto fail_req;
-        topic = call(&methods, msg, M_TOPIC);
+                     PySet_Add(seen, request_id) < 0 || PyList_Append(ids, request_id) < 0;
+        Py_XDECREF(encoded);
+        Py_DECREF(request_id);
+        long long created_at = f[F_CREATED_AT].v;
+        long band = wplan.band[f[F_PRIORITY].v];
+        Py_DECREF(value); /* f's spans are no longer used */
+        if (failed) goto fail;
+        PyObject *topic = call(&methods, msg, M_TOPIC);
         PyObject *part_obj = topic ? call(&methods, msg, M_PARTITION) : NULL;
         PyObject *off_obj = part_obj ? call(&methods, msg, M_OFFSET) : NULL;
         if (off_obj == NULL) {
+            Py_XDECREF(topic);
             Py_XDECREF(part_obj);
-            goto fail_req;
+            goto fail;
         }
         long partition = PyLong_AsLong(part_obj);
         int same = run_topic != NULL && partition == run_partition;
@@ -511,20 +858,18 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             run_offsets = PyList_New(0);
             PyObject *entry = run_offsets ? PyTuple_Pack(3, topic, part_obj, run_offsets) : NULL;
             Py_XDECREF(run_offsets); /* entry holds it */
-            if (entry == NULL || PyList_Append(runs, entry) < 0) {
-                Py_XDECREF(entry);
-                Py_DECREF(part_obj);
-                Py_DECREF(off_obj);
-                goto fail_req;
+            failed = entry == NULL || PyList_Append(runs, entry) < 0;
+            Py_XDECREF(entry); /* runs holds it */
+            if (!failed) {
+                run_topic = PyTuple_GET_ITEM(entry, 0);
+                run_partition = partition;
             }
-            Py_DECREF(entry);
-            run_topic = PyTuple_GET_ITEM(entry, 0);
-            run_partition = partition;
         }
-        failed = PyList_Append(run_offsets, off_obj) < 0;
+        failed = failed || PyList_Append(run_offsets, off_obj) < 0;
+        Py_DECREF(topic);
         Py_DECREF(part_obj);
         Py_DECREF(off_obj);
-        if (failed) goto fail_req;
+        if (failed) goto fail;
         /* the wait (WorkerMetrics.waited_many) and the outcome (completed_many, backend time 0) */
         long long waited = started - created_at;
         double seconds = waited > 0 ? waited / 1000.0 : 0.0;
@@ -538,16 +883,7 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         sums.tenant_count[t]++;
         sums.tenant_wait[t] += seconds;
         sums.tenant_buckets[t * sums.nbuckets + bucket]++;
-        Py_ssize_t mi = index_of(sums.model_index, f[F_MODEL], &sums.models);
-        if (mi < 0) goto fail_req;
-        sums.model_count[mi * NBANDS + band]++;
-        Py_DECREF(topic);
-        Py_DECREF(req);
-        continue;
-    fail_req:
-        Py_XDECREF(topic);
-        Py_DECREF(req);
-        goto fail;
+        sums.model_count[m * NBANDS + band]++;
     }
     pos = PyLong_FromSsize_t(i);
     sums_out = pos ? sums_result(&sums) : NULL;
@@ -565,9 +901,6 @@ done:
     Py_XDECREF(keys);
     Py_XDECREF(ids);
     Py_XDECREF(runs);
-    Py_XDECREF(header_len);
-    Py_XDECREF(started_obj);
-    Py_XDECREF(finished_obj);
     return result;
 }
 
@@ -597,14 +930,14 @@ static struct PyModuleDef module = {
 };
 
 /* The context layout and results this file implements; fastlane.py refuses any other. */
-#define LANE_ABI 1
+#define LANE_ABI 2
 
 PyMODINIT_FUNC PyInit__lane(void) {
     crc_init();
     static const char *names[M_COUNT] = {"error", "value", "topic", "partition", "offset"};
     for (int k = 0; k < M_COUNT; k++)
         if ((method_names[k] = PyUnicode_InternFromString(names[k])) == NULL) return NULL;
-    if ((s_trace_id = PyUnicode_InternFromString("trace_id")) == NULL) return NULL;
+    if ((s_trace_id_bytes = PyBytes_FromString("trace_id")) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "ABI", LANE_ABI) < 0) {
         Py_DECREF(m);

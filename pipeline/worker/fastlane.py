@@ -24,15 +24,15 @@ from __future__ import annotations
 import logging
 import os
 
-from pipeline.models import Priority, Request, Status
+from pipeline.models import Priority, Status
 from pipeline.observability.metrics import WAIT_BUCKETS
 from pipeline.policy.validation import MAX_CLOCK_SKEW_MS, MAX_TENANT_ID_CHARS, MAX_TOKENS_LIMIT, MAX_TRACE_ID_CHARS
-from pipeline.serde import fastpath
+from pipeline.serde import RESPONSE_FIELDS
 
 log = logging.getLogger(__name__)
 
 #: The build of _lane.c this code expects (its LANE_ABI).
-LANE_ABI = 1
+LANE_ABI = 2
 
 try:  # built from _lane.c by `pip install` when a C compiler is there; optional
     from pipeline.worker import _lane
@@ -43,9 +43,13 @@ if _lane is not None and getattr(_lane, "ABI", None) != LANE_ABI:  # pragma: no 
                 "fast lane. Rebuild it: pip install -e .", getattr(_lane, "ABI", None), LANE_ABI)
     _lane = None
 
-#: The Request slots _lane.c reads, in its F_* order.
+#: The request fields _lane.c reads, in its F_* order.
 READ_FIELDS = ("request_id", "tenant_id", "priority", "prompt", "model", "max_tokens", "created_at", "timeout_ms",
-               "trace_id", "metadata", "admitted_at", "effective_priority", "degraded_from")
+               "trace_id", "admitted_at", "effective_priority", "degraded_from")
+#: The response fields it writes, in its R_* order (the model's field order, RESPONSE_FIELDS).
+WRITE_FIELDS = ("request_id", "tenant_id", "status", "reason", "output", "prompt_tokens", "completion_tokens",
+                "model", "degraded", "requested_priority", "served_priority", "created_at", "admitted_at",
+                "started_at", "finished_at", "worker_id", "retry_after_ms", "metadata", "queue_position", "eta_ms")
 
 #: Band index (the lane's) -> priority name, highest first.
 BAND_NAMES = tuple(p.value for p in Priority)
@@ -80,17 +84,24 @@ class FastLane:
             return None
         if type(backend) is not SimulatedBackend or backend.latency_ms != 0 or backend.ms_per_token != 0:
             return None
-        decode = getattr(codec, "_native_request_decode", None)
         request_fast, response_fast = getattr(codec, "_fast_request", None), getattr(codec, "_fast_response", None)
-        if decode is None or request_fast is None or response_fast is None or not request_fast.native or \
-                not response_fast.native or codec._fast_request_header is None:
+        if request_fast is None or response_fast is None or not request_fast.native or not response_fast.native or \
+                codec._fast_request_header is None or RESPONSE_FIELDS != WRITE_FIELDS:
             return None
-        offsets = fastpath._native.slot_offsets(Request, READ_FIELDS)
-        if offsets is None or not isinstance(cancelled, (dict, type(None))):
+        request_program = request_fast.native_decode.args[0]  # functools.partial(_native.decode, program)
+        response_program = response_fast.encode_values.args[0]
+        names = request_program[2]
+        if not set(READ_FIELDS) <= set(names) or not isinstance(cancelled, (dict, type(None))):
             return None
         answers = tuple(tuple(a) for a in backend._answers)
-        ctx = (decode, codec._fast_request_header, offsets, response_fast.encode_values, codec._response_header,
-               Status.COMPLETED, worker_id, answers, backend.max_output_tokens, seen, cancelled,
-               {p: i for i, p in enumerate(Priority)}, tuple(float(b) for b in WAIT_BUCKETS),
-               MAX_CLOCK_SKEW_MS, MAX_TOKENS_LIMIT, MAX_TENANT_ID_CHARS, MAX_TRACE_ID_CHARS, Request)
+        ctx = (request_program, tuple(names.index(f) for f in READ_FIELDS), codec._fast_request_header,
+               response_program, codec._response_header, Status.COMPLETED, worker_id, answers,
+               backend.max_output_tokens, seen, cancelled, {p: i for i, p in enumerate(Priority)},
+               tuple(float(b) for b in WAIT_BUCKETS), MAX_CLOCK_SKEW_MS, MAX_TOKENS_LIMIT, MAX_TENANT_ID_CHARS,
+               MAX_TRACE_ID_CHARS)
+        try:  # _lane.c checks the programs are the ones it reads and writes
+            _lane.run(ctx, [], 0, 0, 0)
+        except TypeError as exc:
+            log.warning("the worker's fast lane does not fit these schemas (%s); running without it", exc)
+            return None
         return cls(ctx)

@@ -66,8 +66,9 @@ def _request(i: int, **fields) -> Request:
     base = dict(priority=Priority.NORMAL, max_tokens=16, timeout_ms=60_000, created_at=NOW - 40 - i,
                 request_id=str(uuid.UUID(int=i + 1)))
     base.update(fields)
-    return Request.new(fields.pop("tenant_id", f"tenant-{i % 7}"), f"prompt number {i} " * (1 + i % 5),
-                       **{k: v for k, v in base.items() if k != "tenant_id"})
+    tenant = base.pop("tenant_id", f"tenant-{i % 7}")
+    prompt = base.pop("prompt", f"prompt number {i} " * (1 + i % 5))
+    return Request.new(tenant, prompt, **base)
 
 
 def _metrics(worker: Worker) -> dict:
@@ -295,3 +296,69 @@ def test_band_scheduler_record_many_is_record_repeated():
                 a.record(band)
             b.record_many(band, count)
             assert list(a._recent) == list(b._recent) and a._counts == b._counts
+
+
+def test_prompts_and_models_in_any_script_are_answered_in_the_lane_as_by_python():
+    prompts = ["héllo wörld", "日本語のプロンプト", "emoji 🙂 and more 🚀", "mixed ascii then ü" * 9, "\u0000nul inside"]
+    requests = [_request(i, prompt=p, model=m) for i, (p, m) in
+                enumerate((p, m) for p in prompts for m in ("sim-small", "modèle-ü"))]
+    msgs = _msgs([CODEC.encode_request(r) for r in requests], _normal_topic())
+    python, lane = _worker(False), _worker(True)
+    lane._handle = lambda msg: pytest.fail(f"offset {msg.offset()} left the lane")
+    _feed(python, msgs, False)
+    _feed(lane, msgs, True)
+    _assert_same(python, lane)
+    answers = [CODEC.decode_response(m.value()) for m in lane.producer.sent]
+    assert [a.prompt_tokens for a in answers] == [(len(r.prompt) + 3) // 4 or 1 for r in requests]
+
+
+def test_mutilated_requests_are_judged_as_the_python_path_judges_them():
+    """Flipped, inserted and dropped bytes anywhere in a request: whatever the Python path
+    makes of it (a dead letter, a rejection, an answer), the lane's worker does the same."""
+    rng = random.Random(11)
+    for round_ in range(30):
+        values = []
+        for i in range(60):
+            r = _request(round_ * 100 + i, prompt=rng.choice(["plain", "ünïcödé", "日本", "x" * 300]),
+                         trace_id=rng.choice([None, "t-1", "tr:ace.2"]))
+            data = bytearray(CODEC.encode_request(r))
+            for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
+                at = rng.randrange(10, len(data))  # past the header: the body is what is read in place
+                kind = rng.random()
+                if kind < 0.6:
+                    data[at] = rng.randrange(256)
+                elif kind < 0.8:
+                    data.insert(at, rng.randrange(256))
+                else:
+                    del data[at]
+            values.append(bytes(data))
+        python, lane = _both(_msgs(values, _normal_topic()))
+        _assert_same(python, lane)
+
+
+def test_strict_utf8_as_the_decoder():
+    good = ["a", "é", "€", "𐍈", "\u07ff", "\uffff", "\U0010ffff", "\ud7ff", "\ue000"]
+    bad = [b"\xc0\x80", b"\xc1\xbf", b"\xe0\x80\x80", b"\xed\xa0\x80", b"\xf0\x80\x80\x80", b"\xf4\x90\x80\x80",
+           b"\xf5\x80\x80\x80", b"\x80", b"\xc3", b"\xe2\x82", b"\xff"]
+    prompts = [g.encode() for g in good] + bad
+    values = []
+    for i, raw in enumerate(prompts):
+        # The prompt is the 4th field: write the request with a placeholder and swap its bytes in.
+        placeholder = "P" * 7
+        data = CODEC.encode_request(_request(i, prompt=placeholder))
+        marker = bytes([len(placeholder) * 2]) + placeholder.encode()
+        assert data.count(marker) == 1
+        values.append(data.replace(marker, _zigzag(len(raw)) + raw))
+    python, lane = _both(_msgs(values, _normal_topic()))
+    _assert_same(python, lane)
+    assert lane.stats.completed == len(good) and lane.stats.dead_lettered == len(bad)
+
+
+def _zigzag(n: int) -> bytes:
+    n <<= 1
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
