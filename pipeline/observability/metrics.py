@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import Counter as _Counts
-from itertools import repeat
 
 from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -64,6 +63,7 @@ class BoundedLabels:
         self._counts: _Counts[str] = _Counts()
         self._top: frozenset[str] = frozenset()
         self._pending: list[str] = []
+        self._counted = 0  # label_n's counts since the last ranking
 
     def label(self, value: str) -> str:
         if value in self.allow:
@@ -88,10 +88,11 @@ class BoundedLabels:
             return value
         if self.top_n <= 0:
             return "other"
-        pending = self._pending
-        pending.extend(repeat(value, count))
+        counts = self._counts
+        counts[value] += count  # counted at once, not queued like label()'s
+        self._counted += count
         top = self._top
-        if len(pending) >= self.RANK_EVERY:
+        if len(self._pending) + self._counted >= self.RANK_EVERY:
             top = self._rank()
         if value in top:
             return value
@@ -102,8 +103,10 @@ class BoundedLabels:
 
     def _rank(self) -> frozenset[str]:
         counts = self._counts
-        counts.update(self._pending)
-        self._pending.clear()
+        if self._pending:
+            counts.update(self._pending)
+            self._pending.clear()
+        self._counted = 0
         top = self._top = frozenset(t for t, _ in counts.most_common(self.top_n))
         if len(counts) > 100 * self.top_n:  # bounded memory under very many tenants
             self._counts = _Counts(dict(counts.most_common(10 * self.top_n)))

@@ -904,6 +904,59 @@ done:
     return result;
 }
 
+/* ranks(msgs, rank: dict, default: int) -> None when the messages all have one topic, else
+ * the rank of each message's topic (rank.get(topic, default)): a consume's worth is usually
+ * one topic, and this tells without a Python frame per message. */
+static PyObject *ranks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_CheckExact(args[0]) || !PyDict_Check(args[1]) || !PyLong_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "ranks(msgs: list, rank: dict, default: int)");
+        return NULL;
+    }
+    PyObject *msgs = args[0], *rank = args[1];
+    Py_ssize_t n = PyList_GET_SIZE(msgs);
+    Methods methods = {NULL, {NULL}};
+    PyObject **topics = PyMem_Calloc(n ? n : 1, sizeof(PyObject *));
+    if (topics == NULL) return PyErr_NoMemory();
+    PyObject *out = NULL;
+    int mixed = 0;
+    Py_ssize_t got = 0;
+    for (; got < n; got++) {
+        PyObject *msg = PyList_GET_ITEM(msgs, got);
+        if (Py_TYPE(msg) != methods.type) methods_for(&methods, Py_TYPE(msg));
+        topics[got] = call(&methods, msg, M_TOPIC);
+        if (topics[got] == NULL) goto done;
+        if (!mixed && got > 0 && topics[got] != topics[0]) {
+            int same = PyObject_RichCompareBool(topics[got], topics[0], Py_EQ);
+            if (same < 0) {
+                got++;
+                goto done;
+            }
+            mixed = !same;
+        }
+    }
+    if (!mixed) {
+        Py_INCREF(Py_None);
+        out = Py_None;
+        goto done;
+    }
+    out = PyList_New(n);
+    if (out == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = PyDict_GetItemWithError(rank, topics[i]);
+        if (r == NULL && PyErr_Occurred()) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        if (r == NULL) r = args[2];
+        Py_INCREF(r);
+        PyList_SET_ITEM(out, i, r);
+    }
+done:
+    for (Py_ssize_t i = 0; i < got && i < n; i++) Py_XDECREF(topics[i]);
+    PyMem_Free(topics);
+    return out;
+}
+
 /* crc32(data: bytes, seed: int = 0) -> int: the CRC run() uses, for tests against zlib.crc32. */
 static PyObject *crc32_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 1 || nargs > 2 || !PyBytes_CheckExact(args[0])) {
@@ -919,6 +972,8 @@ static PyObject *crc32_py(PyObject *self, PyObject *const *args, Py_ssize_t narg
 static PyMethodDef methods[] = {
     {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL,
      "run(ctx, msgs, start, started_ms, finished_ms) -> (stop, values, keys, ids, runs, bands, tenants, models)"},
+    {"ranks", (PyCFunction)(void (*)(void))ranks, METH_FASTCALL,
+     "ranks(msgs, rank: dict, default: int) -> None if all have one topic, else each one's rank.get(topic, default)"},
     {"crc32", (PyCFunction)(void (*)(void))crc32_py, METH_FASTCALL, "crc32(data: bytes, seed: int = 0) -> int"},
     {NULL, NULL, 0, NULL},
 };

@@ -63,11 +63,13 @@ def lane_available() -> bool:
 class FastLane:
     """One worker session's lane: :meth:`run` is ``_lane.run`` with the context bound."""
 
-    __slots__ = ("ctx", "_run")
+    __slots__ = ("ctx", "_run", "ranks")
 
     def __init__(self, ctx: tuple):
         self.ctx = ctx
         self._run = _lane.run
+        #: ranks(msgs, rank, default): None when all have one topic, else each one's rank
+        self.ranks = _lane.ranks
 
     def run(self, msgs: list, start: int, started_ms: int, finished_ms: int) -> tuple:
         """``(stop, values, keys, ids, runs, bands, tenants, models)``: see ``_lane.c``."""

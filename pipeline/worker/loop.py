@@ -289,10 +289,11 @@ class Worker:
         Only called with the band queues empty. A batch of several bands is handled
         highest band first, as the scheduler would pick it.
         """
-        rank = self._rank
-        if len({m.topic() for m in msgs}) > 1:
-            msgs = sorted(msgs, key=lambda m: rank.get(m.topic(), 4))
-        lane, stats, limit = self._lane, self.stats, self.cfg.max_inflight
+        rank, lane = self._rank, self._lane
+        ranks = lane.ranks(msgs, rank, 4)
+        if ranks is not None:  # several topics: highest band first, each in consumption order
+            msgs = [msgs[i] for i in sorted(range(len(msgs)), key=ranks.__getitem__)]
+        stats, limit = self.stats, self.cfg.max_inflight
         i, n = 0, len(msgs)
         while i < n:
             now = _now_ms()

@@ -362,3 +362,11 @@ def _zigzag(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+def test_ranks_says_none_for_one_topic_and_each_rank_for_several():
+    one = [FakeMessage("a", 0, o, b"") for o in range(5)]
+    assert fastlane._lane.ranks(one, {"a": 2}, 4) is None
+    assert fastlane._lane.ranks([], {}, 4) is None
+    mixed = one + [FakeMessage("b", 0, 0, b""), FakeMessage("c", 0, 0, b"")]
+    assert fastlane._lane.ranks(mixed, {"a": 2, "b": 0}, 4) == [2] * 5 + [0, 4]
