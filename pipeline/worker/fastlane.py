@@ -12,9 +12,9 @@ which decides and explains, then resumes the lane after it. Every message is han
 consumption order by exactly one of the two, and a lane answer is the bytes the Python
 path writes (``tests/unit/worker/test_fastlane.py`` compares them).
 
-The lane is used only where it cannot change an outcome or an order: at-least-once
-delivery, the single-object wire format with the native codec, the simulated backend
-without latency, and an empty band backlog (the consumed messages are then taken in band
+The lane is used only where it cannot change an outcome or an order: the single-object
+wire format with the native codec, the simulated backend without latency, and an empty
+band backlog (the consumed messages are then taken in band
 order, highest first, which is what the scheduler would pick). ``LLMQ_FAST_LANE=0`` turns
 it off.
 """
@@ -76,13 +76,12 @@ class FastLane:
         return self._run(self.ctx, msgs, start, started_ms, finished_ms)
 
     @classmethod
-    def build(cls, *, codec, wire: str, backend, worker_id: str, seen: set, cancelled: dict | None,
-              exactly_once: bool) -> FastLane | None:
+    def build(cls, *, codec, wire: str, backend, worker_id: str, seen: set, cancelled: dict | None) -> FastLane | None:
         """The lane for these parts, or None where it does not apply (the Python path then
         handles everything, as it would anyway)."""
         from pipeline.worker.backends.simulated import SimulatedBackend
 
-        if not lane_available() or exactly_once or wire != "single-object":
+        if not lane_available() or wire != "single-object":
             return None
         if type(backend) is not SimulatedBackend or backend.latency_ms != 0 or backend.ms_per_token != 0:
             return None

@@ -210,8 +210,7 @@ class Worker:
                                 on_lost=self._on_lost)
         self.cancellations = CancellationView(self.settings)
         self._lane = FastLane.build(codec=self.codec, wire=self._wire, backend=self.backend, worker_id=self.worker_id,
-                                    seen=self._seen, cancelled=self.cancellations._ids,
-                                    exactly_once=self.exactly_once)
+                                    seen=self._seen, cancelled=self.cancellations._ids)
         log.info("worker %s consuming %s as group %s (backend %s, max in flight %d)",
                  self.worker_id, ", ".join(self.topics), self.group_id, self.backend.name, cfg.max_inflight)
         up = self.metrics.up.labels(self.metrics.pool)
@@ -315,7 +314,10 @@ class Worker:
                     while len(order) > self._seen_max:
                         seen.discard(order.popleft())
                 self.metrics.lane_counts(bands, tenants, models, BAND_NAMES)
-                self._produce_answers(values, keys, self._lane_delivered(runs, count))
+                if self.exactly_once:
+                    self._ready_answers(runs, values, keys)
+                else:
+                    self._produce_answers(values, keys, self._lane_delivered(runs, count))
             if stop >= n:
                 return
             if len(self._tasks) >= limit:  # no slot for a backend call: the rest waits its turn
@@ -342,6 +344,20 @@ class Worker:
                 stats.last_delivered_at = time.perf_counter()
 
         return delivered
+
+    def _ready_answers(self, runs: list, values: list, keys: list) -> None:
+        """Exactly-once: the lane's answers wait for the transaction that commits their offsets."""
+        ready, finished, topic = self._ready, self.tracker.finished_many, self.responses_topic
+        k = 0
+        for source, partition, offsets in runs:
+            tp = (source, partition)
+            part = ready.get(tp)
+            if part is None:
+                part = ready[tp] = {}
+            for offset in offsets:
+                part[offset] = (topic, values[k], keys[k], None)
+                k += 1
+            finished(tp, offsets)
 
     def _produce_answers(self, values: list, keys: list, on_delivery) -> None:
         produce, topic = self.producer.produce, self.responses_topic

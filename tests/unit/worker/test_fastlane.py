@@ -47,8 +47,7 @@ def _worker(lane: bool, cancelled: dict | None = None) -> Worker:
     worker.producer = FakeProducer()
     if lane:
         worker._lane = FastLane.build(codec=worker.codec, wire=worker._wire, backend=worker.backend,
-                                      worker_id=worker.worker_id, seen=worker._seen, cancelled=cancelled,
-                                      exactly_once=False)
+                                      worker_id=worker.worker_id, seen=worker._seen, cancelled=cancelled)
         assert worker._lane is not None
     return worker
 
@@ -245,11 +244,33 @@ def test_a_batch_of_several_bands_is_answered_highest_band_first():
 def test_not_used_where_it_could_change_an_outcome():
     worker = Worker(Settings.load(env={}), SimulatedBackend(latency_ms=5), worker_id="w")
     build = dict(codec=worker.codec, wire="single-object", worker_id="w", seen=set(), cancelled=None)
-    assert FastLane.build(backend=SimulatedBackend(latency_ms=5), exactly_once=False, **build) is None
-    assert FastLane.build(backend=SimulatedBackend(ms_per_token=1), exactly_once=False, **build) is None
-    assert FastLane.build(backend=SimulatedBackend(), exactly_once=True, **build) is None
-    assert FastLane.build(backend=SimulatedBackend(), exactly_once=False, **{**build, "wire": "confluent"}) is None
-    assert FastLane.build(backend=SimulatedBackend(), exactly_once=False, **build) is not None
+    assert FastLane.build(backend=SimulatedBackend(latency_ms=5), **build) is None
+    assert FastLane.build(backend=SimulatedBackend(ms_per_token=1), **build) is None
+    assert FastLane.build(backend=SimulatedBackend(), **{**build, "wire": "confluent"}) is None
+    assert FastLane.build(backend=SimulatedBackend(), **build) is not None
+
+
+def test_exactly_once_answers_wait_for_the_transaction_as_the_python_paths_do():
+    values = [CODEC.encode_request(_request(i)) for i in range(50)]
+    values[7] = CODEC.encode_request(_request(7, tenant_id="tenant-ü"))  # via the Python path
+    values[9] = b"\x00garbage"  # a dead letter
+    python, lane = _worker(False), _worker(True)
+    for worker in (python, lane):
+        worker.exactly_once = True
+    msgs = _msgs(values, _normal_topic())
+    _feed(python, msgs, False)
+    _feed(lane, msgs, True)
+    assert lane.producer.sent == [] and python.producer.sent == []  # nothing outside a transaction
+
+    def ready(worker):
+        return {tp: {off: (topic, value, key, [(k, v) for k, v in headers or [] if k != H_FAILED_AT])
+                     for off, (topic, value, key, headers) in part.items()}
+                for tp, part in worker._ready.items()}
+
+    assert ready(lane) == ready(python)
+    assert len(ready(lane)[(_normal_topic(), 0)]) == 50
+    assert lane.tracker.to_commit() == python.tracker.to_commit() == [((_normal_topic(), 0), 50)]
+    assert _metrics(lane) == _metrics(python)
 
 
 def test_lane_off_by_environment(monkeypatch):
