@@ -10,6 +10,11 @@ Taken requests wait in per-band queues; each turn the scheduler picks them, a ch
 time (never more than the free backend slots), and the chunk goes through decode, checks,
 the backend and the answers stage by stage, its answers leaving in message order.
 
+With the simulated model without latency and the band queues empty, a consumed batch goes
+through the fast lane instead (:mod:`pipeline.worker.fastlane`, C): ordinary requests are
+answered there in one call, and each one it leaves is taken through the path above in its
+place, so outcomes and order are the same.
+
 Delivery guarantee (at-least-once): a request's offset becomes committable only when the
 broker has acknowledged its response (or its dead letter), and a partition commits only
 up to its contiguous finished prefix. A crash therefore re-runs, never loses, requests;

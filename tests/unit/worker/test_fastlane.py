@@ -28,11 +28,14 @@ from pipeline.worker.fastlane import FastLane
 from pipeline.worker.loop import Worker
 from tests.unit.worker.test_admission_fuzz import FakeProducer
 
-pytestmark = pytest.mark.skipif(not (fastlane.lane_available() and fastpath.native_available()),
-                                reason="the C extensions are not built")
+built = pytest.mark.skipif(not (fastlane.lane_available() and fastpath.native_available()),
+                           reason="the C extensions are not built (no C compiler?)")
 
 CODEC = Codec.default()
 NOW = 1_800_000_000_000
+
+
+pytestmark = built
 
 
 @pytest.fixture(autouse=True)
