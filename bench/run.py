@@ -398,12 +398,14 @@ def _conditions(args, kafka_version: str) -> dict:
     import fastavro
 
     from pipeline.serde import fastpath
+    from pipeline.worker.fastlane import lane_available
 
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpus": os.cpu_count(),
             "python": platform.python_version(), "confluent_kafka": confluent_kafka.__version__,
             "librdkafka": confluent_kafka.libversion()[0], "fastavro": fastavro.__version__,
             "kafka": kafka_version, "messages": args.messages, "rounds": args.rounds,
-            "prompt_bytes": args.prompt_bytes, "native_codec": fastpath.native_available()}
+            "prompt_bytes": args.prompt_bytes, "native_codec": fastpath.native_available(),
+            "fast_lane": lane_available()}
 
 
 def main(argv=None) -> int:

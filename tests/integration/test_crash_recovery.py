@@ -176,3 +176,46 @@ def test_after_a_kill_the_requests_finished_behind_a_slow_one_are_not_answered_a
     print(f"\nkill -9 with a slow head and 300 finished behind it: duplicates={duplicates}")
     assert set(counts) == {slow.request_id, *(r.request_id for r in fast)}
     assert duplicates == 0
+
+
+def _fast_lane_kill(settings, *args: str, total: int) -> tuple[int, int, int]:
+    """(answered before the kill, missing, duplicates) for a worker on the fast lane (0-ms
+    model) killed with SIGKILL as soon as its first answers are out, then restarted."""
+    reqs = [Request.new(f"tenant-{i % 50}", f"lane {i}", priority=Priority.NORMAL, max_tokens=8, timeout_ms=600_000)
+            for i in range(total)]
+    with LlmqClient(settings, listen=False) as client:
+        for fut in [client.submit_nowait(r, track=False) for r in reqs]:
+            fut.result(60)
+    worker = _worker(settings, *args, "--sim-latency-ms", "0")
+    _response_ids(settings, until=lambda n: n >= 1, timeout=120)
+    worker.send_signal(signal.SIGKILL)
+    worker.wait(10)
+    killed_at = len(_response_ids(settings, timeout=5))
+    restarted = _worker(settings, *args, "--sim-latency-ms", "0")
+    try:
+        _response_ids(settings, timeout=180, until=lambda n: n >= total)
+        time.sleep(2)
+        ids = _response_ids(settings)
+    finally:
+        restarted.send_signal(signal.SIGTERM)
+        assert restarted.wait(30) == 0, restarted.stderr.read()
+    counts = collections.Counter(ids)
+    missing = {r.request_id for r in reqs} - set(counts)
+    return killed_at, len(missing), sum(c - 1 for c in counts.values())
+
+
+def test_fast_lane_sigkill_mid_load_then_restart_answers_every_request(settings):
+    total = 100_000
+    killed_at, missing, duplicates = _fast_lane_kill(settings, total=total)
+    print(f"\nfast lane, kill -9 after {killed_at} of {total} responses: missing={missing} duplicates={duplicates}")
+    assert killed_at < total  # the kill landed mid-load
+    assert missing == 0
+
+
+def test_fast_lane_exactly_once_sigkill_mid_load_has_no_loss_and_no_duplicates(settings):
+    total = 100_000
+    killed_at, missing, duplicates = _fast_lane_kill(
+        settings, "--delivery", "exactly-once", "--worker-id", "lane-eos", total=total)
+    print(f"\nfast lane exactly-once, kill -9 after {killed_at} of {total}: missing={missing} duplicates={duplicates}")
+    assert killed_at < total
+    assert missing == 0 and duplicates == 0
