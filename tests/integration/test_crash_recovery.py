@@ -38,35 +38,42 @@ def _response_ids(settings, until=None, timeout=60.0) -> list[str]:
     return [codec.decode_response(m.value()).request_id for m in msgs]
 
 
-def test_sigkill_mid_load_then_restart_answers_every_request(settings):
-    total = 2000
-    reqs = [Request.new(f"tenant-{i % 7}", f"request {i}", priority=list(Priority)[i % 5], max_tokens=8)
-            for i in range(total)]
+def _kill_mid_load(settings, reqs: list, args: tuple, kill_after: int, timeout: float = 180.0,
+                   settle_s: float = 2.0) -> tuple[int, int, int]:
+    """Submit ``reqs``, start a worker with ``args``, SIGKILL it once ``kill_after`` answers
+    are out, start it again and wait for every answer: (answered before the kill, missing,
+    duplicates)."""
     with LlmqClient(settings, listen=False) as client:
         for fut in [client.submit_nowait(r, track=False) for r in reqs]:
-            fut.result(30)
-
-    worker = _worker(settings, "--sim-latency-ms", "20", "--max-inflight", "16")
-    # Kill it once roughly a third of the responses are out: requests are in flight then.
-    _response_ids(settings, until=lambda n: n >= total // 3, timeout=60)
+            fut.result(60)
+    worker = _worker(settings, *args)
+    _response_ids(settings, until=lambda n: n >= kill_after, timeout=timeout)
     worker.send_signal(signal.SIGKILL)
     worker.wait(10)
-    killed_at = len(_response_ids(settings))
-
-    restarted = _worker(settings, "--sim-latency-ms", "20", "--max-inflight", "16")
+    killed_at = len(_response_ids(settings, timeout=5))
+    # (exactly-once: the same worker id is the same transactional id, so the new producer
+    # fences the old one and aborts its open transaction at once)
+    restarted = _worker(settings, *args)
     try:
-        ids = _response_ids(settings, timeout=120,
-                            until=lambda n: n >= total)
-        # give a straggler duplicate a moment to show up, then read everything once more
-        time.sleep(1)
+        _response_ids(settings, timeout=timeout, until=lambda n: n >= len(reqs))
+        time.sleep(settle_s)  # a straggler duplicate gets a moment to show up
         ids = _response_ids(settings)
     finally:
         restarted.send_signal(signal.SIGTERM)
         assert restarted.wait(30) == 0, restarted.stderr.read()
     counts = collections.Counter(ids)
     missing = {r.request_id for r in reqs} - set(counts)
-    duplicates = sum(c - 1 for c in counts.values())
-    print(f"\nkill -9 after {killed_at} of {total} responses: missing={len(missing)} duplicates={duplicates}")
+    return killed_at, len(missing), sum(c - 1 for c in counts.values())
+
+
+def test_sigkill_mid_load_then_restart_answers_every_request(settings):
+    total = 2000
+    reqs = [Request.new(f"tenant-{i % 7}", f"request {i}", priority=list(Priority)[i % 5], max_tokens=8)
+            for i in range(total)]
+    # Killed once roughly a third of the responses are out: requests are in flight then.
+    killed_at, missing, duplicates = _kill_mid_load(
+        settings, reqs, ("--sim-latency-ms", "20", "--max-inflight", "16"), kill_after=total // 3, settle_s=1.0)
+    print(f"\nkill -9 after {killed_at} of {total} responses: missing={missing} duplicates={duplicates}")
     assert not missing
     # At-least-once: duplicates are only the requests finished but not yet committed at the kill.
     assert duplicates < total // 2
@@ -116,28 +123,9 @@ def test_exactly_once_mode_sigkill_mid_load_then_restart_has_no_loss_and_no_dupl
     total = 2000
     reqs = [Request.new(f"tenant-{i % 7}", f"eos {i}", priority=list(Priority)[i % 5], max_tokens=8,
                         timeout_ms=600_000) for i in range(total)]
-    with LlmqClient(settings, listen=False) as client:
-        for fut in [client.submit_nowait(r, track=False) for r in reqs]:
-            fut.result(30)
     args = ("--delivery", "exactly-once", "--worker-id", "eos-worker", "--sim-latency-ms", "20", "--max-inflight", "16")
-    worker = _worker(settings, *args)
-    _response_ids(settings, until=lambda n: n >= total // 3, timeout=120)
-    worker.send_signal(signal.SIGKILL)
-    worker.wait(10)
-    # Same worker id → same transactional id: the new producer fences the old one and aborts
-    # its open transaction at once, so read_committed readers are not held up.
-    restarted = _worker(settings, *args)
-    try:
-        ids = _response_ids(settings, timeout=180, until=lambda n: n >= total)
-        time.sleep(2)
-        ids = _response_ids(settings)
-    finally:
-        restarted.send_signal(signal.SIGTERM)
-        assert restarted.wait(30) == 0, restarted.stderr.read()
-    counts = collections.Counter(ids)
-    missing = {r.request_id for r in reqs} - set(counts)
-    duplicates = sum(c - 1 for c in counts.values())
-    print(f"\nexactly-once, kill -9 at a third of {total}: missing={len(missing)} duplicates={duplicates}")
+    killed_at, missing, duplicates = _kill_mid_load(settings, reqs, args, kill_after=total // 3)
+    print(f"\nexactly-once, kill -9 at a third of {total}: missing={missing} duplicates={duplicates}")
     assert not missing
     assert duplicates == 0
 
@@ -179,29 +167,10 @@ def test_after_a_kill_the_requests_finished_behind_a_slow_one_are_not_answered_a
 
 
 def _fast_lane_kill(settings, *args: str, total: int) -> tuple[int, int, int]:
-    """(answered before the kill, missing, duplicates) for a worker on the fast lane (0-ms
-    model) killed with SIGKILL as soon as its first answers are out, then restarted."""
+    """A worker on the fast lane (0-ms model) killed as soon as its first answers are out."""
     reqs = [Request.new(f"tenant-{i % 50}", f"lane {i}", priority=Priority.NORMAL, max_tokens=8, timeout_ms=600_000)
             for i in range(total)]
-    with LlmqClient(settings, listen=False) as client:
-        for fut in [client.submit_nowait(r, track=False) for r in reqs]:
-            fut.result(60)
-    worker = _worker(settings, *args, "--sim-latency-ms", "0")
-    _response_ids(settings, until=lambda n: n >= 1, timeout=120)
-    worker.send_signal(signal.SIGKILL)
-    worker.wait(10)
-    killed_at = len(_response_ids(settings, timeout=5))
-    restarted = _worker(settings, *args, "--sim-latency-ms", "0")
-    try:
-        _response_ids(settings, timeout=180, until=lambda n: n >= total)
-        time.sleep(2)
-        ids = _response_ids(settings)
-    finally:
-        restarted.send_signal(signal.SIGTERM)
-        assert restarted.wait(30) == 0, restarted.stderr.read()
-    counts = collections.Counter(ids)
-    missing = {r.request_id for r in reqs} - set(counts)
-    return killed_at, len(missing), sum(c - 1 for c in counts.values())
+    return _kill_mid_load(settings, reqs, (*args, "--sim-latency-ms", "0"), kill_after=1)
 
 
 def test_fast_lane_sigkill_mid_load_then_restart_answers_every_request(settings):

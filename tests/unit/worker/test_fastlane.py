@@ -20,7 +20,7 @@ from pipeline.dlq import H_FAILED_AT
 from pipeline.models import Priority, Request, Status
 from pipeline.observability.metrics import _Series
 from pipeline.serde import Codec, fastpath
-from pipeline.testing import FakeMessage
+from pipeline.testing import FakeMessage, avro_string
 from pipeline.worker import fastlane
 from pipeline.worker import loop as worker_loop
 from pipeline.worker.backends.simulated import SimulatedBackend, expected_output
@@ -372,25 +372,8 @@ def test_strict_utf8_as_the_decoder():
         data = CODEC.encode_request(_request(i, prompt=placeholder))
         marker = bytes([len(placeholder) * 2]) + placeholder.encode()
         assert data.count(marker) == 1
-        values.append(data.replace(marker, _zigzag(len(raw)) + raw))
+        values.append(data.replace(marker, avro_string(raw)))
     python, lane = _both(_msgs(values, _normal_topic()))
     _assert_same(python, lane)
     assert lane.stats.completed == len(good) and lane.stats.dead_lettered == len(bad)
 
-
-def _zigzag(n: int) -> bytes:
-    n <<= 1
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def test_ranks_says_none_for_one_topic_and_each_rank_for_several():
-    one = [FakeMessage("a", 0, o, b"") for o in range(5)]
-    assert fastlane._lane.ranks(one, {"a": 2}, 4) is None
-    assert fastlane._lane.ranks([], {}, 4) is None
-    mixed = one + [FakeMessage("b", 0, 0, b""), FakeMessage("c", 0, 0, b"")]
-    assert fastlane._lane.ranks(mixed, {"a": 2, "b": 0}, 4) == [2] * 5 + [0, 4]
