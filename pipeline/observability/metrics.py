@@ -83,7 +83,14 @@ class BoundedLabels:
         return "other"
 
     def label_n(self, value: str, count: int) -> str:
-        """:meth:`label` for ``count`` occurrences of ``value`` at once."""
+        """:meth:`label` for ``count`` occurrences of ``value`` at once (the worker's fast
+        lane sums a batch per tenant and model).
+
+        The counts are the same as ``count`` calls of :meth:`label`; the label can differ in
+        one case: when the top-N is full and the ranking that lets ``value`` in falls inside
+        these ``count``, one by one the occurrences before it are "other", here all get the
+        label ranked after it (a newcomer gets its own label up to ``RANK_EVERY`` values
+        earlier)."""
         if value in self.allow:
             return value
         if self.top_n <= 0:

@@ -421,6 +421,14 @@ static int get_ll(PyObject *v, long long *out) {
     return 0;
 }
 
+/* created_at + timeout_ms <= now, as Python's unbounded ints have it (a sum past int64 is
+ * far in the future). */
+static int expired(int64_t created_at, int64_t timeout_ms, long long now) {
+    int64_t deadline;
+    if (__builtin_add_overflow(created_at, timeout_ms, &deadline)) return timeout_ms < 0;
+    return deadline <= now;
+}
+
 static int is_hex(uint8_t c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
 
 /* validate_request's tenant check, for the tenants it can decide on alone: 1..max printable
@@ -734,6 +742,7 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         request_plan(&rplan, PyTuple_GET_ITEM(ctx, 0), PyTuple_GET_ITEM(ctx, 1)) < 0 ||
         response_plan(&wplan, PyTuple_GET_ITEM(ctx, 3), completed, &rplan, PyTuple_GET_ITEM(ctx, 0), band_of,
                       PyTuple_GET_ITEM(ctx, 1)) < 0) {
+        if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_MemoryError)) return NULL;
         PyErr_Clear();
         PyErr_SetString(PyExc_TypeError, "malformed fast-lane context");
         return NULL;
@@ -744,6 +753,10 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (PyErr_Occurred()) return NULL;
     const char *rh = PyBytes_AS_STRING(req_header);
     Py_ssize_t rh_len = PyBytes_GET_SIZE(req_header);
+    /* our own list of the messages: Python code run from here (a message's methods) cannot
+     * shrink it or free one under us */
+    msgs = PyList_GetSlice(msgs, 0, PyList_GET_SIZE(msgs));
+    if (msgs == NULL) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(msgs);
     if (start < 0) start = 0;
 
@@ -777,7 +790,7 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         ok = ok && tenant_ok(&f[F_TENANT_ID].s, (Py_ssize_t)max_tenant) && f[F_PROMPT].s.n > 0 &&
              f[F_MAX_TOKENS].v > 0 && f[F_MAX_TOKENS].v <= max_tokens_limit && f[F_TIMEOUT_MS].v > 0 &&
              f[F_MODEL].s.n > 0 && uuid_ok(&f[F_REQUEST_ID].s) && trace_ok(&f[F_TRACE_ID], (Py_ssize_t)max_trace) &&
-             f[F_CREATED_AT].v <= started + max_skew && f[F_CREATED_AT].v + f[F_TIMEOUT_MS].v > started;
+             f[F_CREATED_AT].v <= started + max_skew && !expired(f[F_CREATED_AT].v, f[F_TIMEOUT_MS].v, started);
         if (!ok) {
             Py_DECREF(value);
             break;
@@ -818,12 +831,38 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         int written = output != NULL && write_response(&wplan, &w, resp_header, f, (const uint8_t *)output, output_n,
                                                        prompt_tokens, tokens, started, finished,
                                                        (const uint8_t *)worker, worker_n) == 0;
-        PyErr_Clear();
+        if (PyErr_Occurred()) {
+            if (PyErr_ExceptionMatches(PyExc_MemoryError)) {
+                Py_DECREF(request_id);
+                Py_DECREF(value);
+                goto fail;
+            }
+            PyErr_Clear();
+        }
         PyObject *encoded = written ? PyBytes_FromStringAndSize((const char *)w.buf, w.len) : NULL;
         writer_free(&w);
         if (!written) { /* e.g. over the size caps: the Python path answers FAILED */
             Py_DECREF(request_id);
             Py_DECREF(value);
+            break;
+        }
+        /* -- where it came from (before anything is recorded: a message that cannot say is
+         * left to the Python path whole) */
+        PyObject *topic = call(&methods, msg, M_TOPIC);
+        PyObject *part_obj = topic ? call(&methods, msg, M_PARTITION) : NULL;
+        PyObject *off_obj = part_obj ? call(&methods, msg, M_OFFSET) : NULL;
+        long partition = off_obj && PyUnicode_Check(topic) && PyLong_CheckExact(part_obj) && PyLong_CheckExact(off_obj)
+                             ? PyLong_AsLong(part_obj)
+                             : -1;
+        if (partition < 0) {
+            int raised = PyErr_Occurred() != NULL;
+            Py_XDECREF(topic);
+            Py_XDECREF(part_obj);
+            Py_XDECREF(off_obj);
+            Py_XDECREF(encoded);
+            Py_DECREF(request_id);
+            Py_DECREF(value);
+            if (raised) goto fail;
             break;
         }
         /* -- recorded: the answer, the id, where it came from, the metric sums */
@@ -839,16 +878,12 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         long long created_at = f[F_CREATED_AT].v;
         long band = wplan.band[f[F_PRIORITY].v];
         Py_DECREF(value); /* f's spans are no longer used */
-        if (failed) goto fail;
-        PyObject *topic = call(&methods, msg, M_TOPIC);
-        PyObject *part_obj = topic ? call(&methods, msg, M_PARTITION) : NULL;
-        PyObject *off_obj = part_obj ? call(&methods, msg, M_OFFSET) : NULL;
-        if (off_obj == NULL) {
-            Py_XDECREF(topic);
-            Py_XDECREF(part_obj);
+        if (failed) {
+            Py_DECREF(topic);
+            Py_DECREF(part_obj);
+            Py_DECREF(off_obj);
             goto fail;
         }
-        long partition = PyLong_AsLong(part_obj);
         int same = run_topic != NULL && partition == run_partition;
         if (same) {
             same = PyUnicode_Compare(topic, run_topic) == 0;
@@ -871,8 +906,10 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         Py_DECREF(off_obj);
         if (failed) goto fail;
         /* the wait (WorkerMetrics.waited_many) and the outcome (completed_many, backend time 0) */
-        long long waited = started - created_at;
-        double seconds = waited > 0 ? waited / 1000.0 : 0.0;
+        long long waited;
+        double seconds = __builtin_sub_overflow(started, created_at, &waited) ? (double)started - (double)created_at
+                                                                              : (double)waited;
+        seconds = seconds > 0 ? seconds / 1000.0 : 0.0;
         Py_ssize_t bucket = 0;
         while (bucket < nbounds && bound[bucket] < seconds) bucket++; /* bisect_left */
         sums.band_count[band]++;
@@ -895,6 +932,7 @@ fail:
     result = NULL;
 done:
     sums_free(&sums);
+    Py_DECREF(msgs);
     Py_XDECREF(sums_out);
     Py_XDECREF(pos);
     Py_XDECREF(values);

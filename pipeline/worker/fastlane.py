@@ -14,8 +14,8 @@ path writes (``tests/unit/worker/test_fastlane.py`` compares them).
 
 The lane is used only where it cannot change an outcome or an order: the single-object
 wire format with the native codec, the simulated backend without latency, and an empty
-band backlog (the consumed messages are then taken in band
-order, highest first, which is what the scheduler would pick). ``LLMQ_FAST_LANE=0`` turns
+band backlog, and a consumed batch of one topic (a batch of several bands goes to the
+band queues, whose scheduler orders the bands). ``LLMQ_FAST_LANE=0`` turns
 it off.
 """
 

@@ -290,13 +290,14 @@ class Worker:
         """Handle one consume's worth through the fast lane (:mod:`pipeline.worker.fastlane`),
         each message it leaves through the Python path at once, in consumption order.
 
-        Only called with the band queues empty. A batch of several bands is handled
-        highest band first, as the scheduler would pick it.
+        Only called with the band queues empty, and only for a batch of one topic: the
+        scheduler orders several bands (strict priority bent by the minimum shares), so such
+        a batch goes to the band queues as usual.
         """
         rank, lane = self._rank, self._lane
-        ranks = lane.ranks(msgs, rank, 4)
-        if ranks is not None:  # several topics: highest band first, each in consumption order
-            msgs = [msgs[i] for i in sorted(range(len(msgs)), key=ranks.__getitem__)]
+        if lane.ranks(msgs, rank, 4) is not None:
+            self._take_many(msgs)
+            return
         stats, limit = self.stats, self.cfg.max_inflight
         i, n = 0, len(msgs)
         while i < n:
@@ -328,7 +329,10 @@ class Worker:
             if len(self._tasks) >= limit:  # no slot for a backend call: the rest waits its turn
                 self._take_many(msgs[stop:])
                 return
-            self._handle(msgs[stop])
+            msg = msgs[stop]
+            if msg.error() is None:  # dispatched, as far as the band shares go
+                self._scheduler.record(rank.get(msg.topic(), 4))
+            self._handle(msg)
             i = stop + 1
 
     def _lane_delivered(self, runs: list, count: int):

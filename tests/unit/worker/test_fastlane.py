@@ -56,12 +56,13 @@ def _worker(lane: bool, cancelled: dict | None = None) -> Worker:
 
 
 def _feed(worker: Worker, msgs: list, lane: bool) -> None:
+    # as the worker's loop: the batch in, then a dispatch of whatever reached the band queues
     if lane:
         worker._run_lane(list(msgs))
     else:
         worker._take_many(list(msgs))
-        while worker._dispatch():
-            pass
+    while worker._dispatch():
+        pass
 
 
 def _request(i: int, **fields) -> Request:
@@ -232,16 +233,39 @@ def test_runs_of_several_partitions_commit_like_the_python_path():
         ((topic, 0), 40), ((topic, 1), 40), ((topic, 2), 40)]
 
 
-def test_a_batch_of_several_bands_is_answered_highest_band_first():
+def test_a_batch_of_several_bands_goes_to_the_band_queues_and_their_scheduler():
     settings = Settings.load(env={})
     low = [FakeMessage(settings.topics.request_topic(Priority.LOW), 0, o,
                        CODEC.encode_request(_request(o, priority=Priority.LOW)), b"k") for o in range(3)]
     critical = [FakeMessage(settings.topics.request_topic(Priority.CRITICAL), 0, o,
                             CODEC.encode_request(_request(50 + o, priority=Priority.CRITICAL)), b"k") for o in range(3)]
-    lane = _worker(True)
+    twin = CODEC.encode_request(_request(99, priority=Priority.CRITICAL, request_id=str(uuid.UUID(int=1))))
+    critical.append(FakeMessage(settings.topics.request_topic(Priority.CRITICAL), 0, 3, twin, b"k"))
+    python, lane = _worker(False), _worker(True)
+    for worker in (python, lane):
+        worker._scheduler.record_many(0, 150)  # CRITICAL has had most of the recent turns
+    _feed(python, low + critical, False)
     _feed(lane, low + critical, True)
-    served = [CODEC.decode_response(m.value()).served_priority for m in lane.producer.sent]
-    assert served == [Priority.CRITICAL] * 3 + [Priority.LOW] * 3
+    _assert_same(python, lane)
+    assert list(lane._scheduler._recent) == list(python._scheduler._recent)
+
+
+def test_messages_left_to_the_python_path_count_for_the_band_shares():
+    values = [CODEC.encode_request(_request(0)), b"\x00junk", CODEC.encode_request(_request(1, tenant_id="")),
+              CODEC.encode_request(_request(2, metadata={"k": "v"})), CODEC.encode_request(_request(3))]
+    python, lane = _both(_msgs(values, _normal_topic()))
+    _assert_same(python, lane)
+    assert list(lane._scheduler._recent) == list(python._scheduler._recent) == [Priority.NORMAL.rank] * 5
+
+
+def test_a_deadline_past_int64_is_no_deadline_as_in_python():
+    values = [CODEC.encode_request(_request(0, timeout_ms=2 ** 63 - 1)),
+              CODEC.encode_request(_request(1, created_at=-(2 ** 62), timeout_ms=1)),  # long expired
+              CODEC.encode_request(_request(2, created_at=-(2 ** 63), timeout_ms=2 ** 63 - 1))]
+    python, lane = _both(_msgs(values, _normal_topic()))
+    _assert_same(python, lane)
+    assert [CODEC.decode_response(m.value()).status for m in lane.producer.sent] == [
+        Status.COMPLETED, Status.EXPIRED, Status.EXPIRED]
 
 
 def test_not_used_where_it_could_change_an_outcome():
@@ -295,7 +319,7 @@ def test_a_full_worker_hands_the_rest_to_the_band_queues():
     assert worker._backlog[Priority.NORMAL.rank].size == 2
 
 
-def test_label_n_counts_like_label_one_by_one():
+def test_label_n_counts_like_label_one_by_one_and_labels_alike_outside_a_ranking():
     from pipeline.observability.metrics import BoundedLabels
 
     one, many = BoundedLabels(top_n=3), BoundedLabels(top_n=3)
@@ -304,8 +328,11 @@ def test_label_n_counts_like_label_one_by_one():
         one.label(value)
     for value in dict.fromkeys(stream):
         many.label_n(value, stream.count(value))
-    assert math.isclose(sum(one._counts.values()) + len(one._pending),
-                        sum(many._counts.values()) + len(many._pending))
+    assert sum(one._counts.values()) + len(one._pending) == sum(many._counts.values()) + many._counted
+    # Between rankings the labels are the same: room in the top-N, or already in it.
+    a, b = BoundedLabels(top_n=3), BoundedLabels(top_n=3)
+    for value, count in (("x", 10), ("y", 20), ("x", 5), ("z", 1), ("w", 7)):
+        assert {a.label(value) for _ in range(count)} == {b.label_n(value, count)}
 
 
 def test_band_scheduler_record_many_is_record_repeated():
