@@ -995,6 +995,100 @@ done:
     return out;
 }
 
+/* -- delivery: one countdown per lane call, answers produced from C -------------------- */
+
+/* Countdown(count, done, failed): the delivery callback of one lane call's answers. Called
+ * (err, msg) by the producer: a report without error counts one down and the last one calls
+ * done(); a report with an error calls failed(err, msg, self), which publishes it again
+ * with this same callback. A C callable, because it runs once per answer. */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t left;
+    PyObject *done, *failed;
+} Countdown;
+
+static void countdown_dealloc(Countdown *self) {
+    Py_XDECREF(self->done);
+    Py_XDECREF(self->failed);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *countdown_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    Py_ssize_t left;
+    PyObject *done, *failed;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
+        PyErr_SetString(PyExc_TypeError, "Countdown(count, done, failed)");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "nOO:Countdown", &left, &done, &failed)) return NULL;
+    Countdown *self = (Countdown *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->left = left;
+    Py_INCREF(done);
+    Py_INCREF(failed);
+    self->done = done;
+    self->failed = failed;
+    return (PyObject *)self;
+}
+
+static PyObject *countdown_call(Countdown *self, PyObject *args, PyObject *kwargs) {
+    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 2 || (kwargs != NULL && PyDict_GET_SIZE(kwargs))) {
+        PyErr_SetString(PyExc_TypeError, "a delivery callback takes (err, msg)");
+        return NULL;
+    }
+    PyObject *err = PyTuple_GET_ITEM(args, 0);
+    if (err != Py_None) return PyObject_CallFunctionObjArgs(self->failed, err, PyTuple_GET_ITEM(args, 1), self, NULL);
+    if (--self->left == 0) return PyObject_CallNoArgs(self->done);
+    Py_RETURN_NONE;
+}
+
+static PyObject *countdown_left(Countdown *self, void *closure) { return PyLong_FromSsize_t(self->left); }
+
+static PyGetSetDef countdown_getset[] = {
+    {"left", (getter)countdown_left, NULL, "answers not acknowledged yet", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CountdownType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "pipeline.worker._lane.Countdown",
+    .tp_basicsize = sizeof(Countdown),
+    .tp_dealloc = (destructor)countdown_dealloc,
+    .tp_call = (ternaryfunc)countdown_call,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Countdown(count, done, failed): the delivery callback of one lane call's answers",
+    .tp_new = countdown_new,
+    .tp_getset = countdown_getset,
+};
+
+static PyObject *s_on_delivery_names; /* ("on_delivery",) */
+
+/* produce_all(produce, topic, values, keys, on_delivery) -> how many were produced: all of
+ * them, or the index of the first that raised BufferError or KafkaException (the caller
+ * publishes that one the careful way and calls again for the rest; any other exception
+ * propagates). produce(topic, value, key, on_delivery=...) for each, without a Python loop. */
+static PyObject *produce_all(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyList_CheckExact(args[2]) || !PyList_CheckExact(args[3]) ||
+        PyList_GET_SIZE(args[2]) != PyList_GET_SIZE(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "produce_all(produce, topic, values: list, keys: list, on_delivery, retry)");
+        return NULL;
+    }
+    PyObject *produce = args[0], *values = args[2], *keys = args[3], *retry = args[5];
+    Py_ssize_t n = PyList_GET_SIZE(values), j = 0;
+    for (; j < n; j++) {
+        PyObject *call_args[4] = {args[1], PyList_GET_ITEM(values, j), PyList_GET_ITEM(keys, j), args[4]};
+        PyObject *out = PyObject_Vectorcall(produce, call_args, 3, s_on_delivery_names);
+        if (out != NULL) {
+            Py_DECREF(out);
+            continue;
+        }
+        if (!PyErr_ExceptionMatches(retry)) return NULL;
+        PyErr_Clear();
+        break;
+    }
+    return PyLong_FromSsize_t(j);
+}
+
 /* crc32(data: bytes, seed: int = 0) -> int: the CRC run() uses, for tests against zlib.crc32. */
 static PyObject *crc32_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 1 || nargs > 2 || !PyBytes_CheckExact(args[0])) {
@@ -1012,6 +1106,8 @@ static PyMethodDef methods[] = {
      "run(ctx, msgs, start, started_ms, finished_ms) -> (stop, values, keys, ids, runs, bands, tenants, models)"},
     {"ranks", (PyCFunction)(void (*)(void))ranks, METH_FASTCALL,
      "ranks(msgs, rank: dict, default: int) -> None if all have one topic, else each one's rank.get(topic, default)"},
+    {"produce_all", (PyCFunction)(void (*)(void))produce_all, METH_FASTCALL,
+     "produce_all(produce, topic, values, keys, on_delivery, retry: exception types) -> how many were produced"},
     {"crc32", (PyCFunction)(void (*)(void))crc32_py, METH_FASTCALL, "crc32(data: bytes, seed: int = 0) -> int"},
     {NULL, NULL, 0, NULL},
 };
@@ -1023,7 +1119,7 @@ static struct PyModuleDef module = {
 };
 
 /* The context layout and results this file implements; fastlane.py refuses any other. */
-#define LANE_ABI 2
+#define LANE_ABI 3
 
 PyMODINIT_FUNC PyInit__lane(void) {
     crc_init();
@@ -1031,8 +1127,14 @@ PyMODINIT_FUNC PyInit__lane(void) {
     for (int k = 0; k < M_COUNT; k++)
         if ((method_names[k] = PyUnicode_InternFromString(names[k])) == NULL) return NULL;
     if ((s_trace_id_bytes = PyBytes_FromString("trace_id")) == NULL) return NULL;
+    if ((s_on_delivery_names = Py_BuildValue("(s)", "on_delivery")) == NULL) return NULL;
+    if (PyType_Ready(&CountdownType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "ABI", LANE_ABI) < 0) {
+    if (m == NULL) return NULL;
+    Py_INCREF(&CountdownType);
+    if (PyModule_AddIntConstant(m, "ABI", LANE_ABI) < 0 ||
+        PyModule_AddObject(m, "Countdown", (PyObject *)&CountdownType) < 0) {
+        Py_DECREF(&CountdownType);
         Py_DECREF(m);
         return NULL;
     }

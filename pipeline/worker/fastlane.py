@@ -32,7 +32,7 @@ from pipeline.serde import RESPONSE_FIELDS
 log = logging.getLogger(__name__)
 
 #: The build of _lane.c this code expects (its LANE_ABI).
-LANE_ABI = 2
+LANE_ABI = 3
 
 try:  # built from _lane.c by `pip install` when a C compiler is there; optional
     from pipeline.worker import _lane
@@ -63,13 +63,17 @@ def lane_available() -> bool:
 class FastLane:
     """One worker session's lane: :meth:`run` is ``_lane.run`` with the context bound."""
 
-    __slots__ = ("ctx", "_run", "ranks")
+    __slots__ = ("ctx", "_run", "ranks", "Countdown", "produce_all")
 
     def __init__(self, ctx: tuple):
         self.ctx = ctx
         self._run = _lane.run
         #: ranks(msgs, rank, default): None when all have one topic, else each one's rank
         self.ranks = _lane.ranks
+        #: Countdown(count, done, failed): one lane call's delivery callback (see _lane.c)
+        self.Countdown = _lane.Countdown
+        #: produce_all(produce, topic, values, keys, on_delivery, retry) -> how many were produced
+        self.produce_all = _lane.produce_all
 
     def run(self, msgs: list, start: int, started_ms: int, finished_ms: int) -> tuple:
         """``(stop, values, keys, ids, runs, bands, tenants, models)``: see ``_lane.c``."""

@@ -55,6 +55,7 @@ from pipeline.worker.offsets import OffsetTracker, decode_done
 log = logging.getLogger(__name__)
 
 _PARTITION_EOF = KafkaError._PARTITION_EOF
+_PRODUCE_RETRY = (BufferError, KafkaException)  # a produce that the careful path (_produce) takes again
 
 
 def _now_ms() -> int:
@@ -336,23 +337,21 @@ class Worker:
             i = stop + 1
 
     def _lane_delivered(self, runs: list, count: int):
-        """The delivery callback of the ``count`` answers of one lane call: their offsets
-        finish when the last of them is acknowledged."""
-        left = [count]
+        """The delivery callback of the ``count`` answers of one lane call (a C countdown):
+        their offsets finish when the last of them is acknowledged; one not acknowledged is
+        published again with the same callback."""
         finished, stats = self.tracker.finished_many, self.stats
 
-        def delivered(err, msg) -> None:
-            if err is not None:
-                self._not_delivered(err, msg, delivered, "a fast-lane answer")
-                return
-            left[0] -= 1
-            if left[0] == 0:
-                for topic, partition, offsets in runs:
-                    finished((topic, partition), offsets)
-                stats.delivered += count
-                stats.last_delivered_at = time.perf_counter()
+        def done() -> None:
+            for topic, partition, offsets in runs:
+                finished((topic, partition), offsets)
+            stats.delivered += count
+            stats.last_delivered_at = time.perf_counter()
 
-        return delivered
+        return self._lane.Countdown(count, done, self._lane_not_delivered)
+
+    def _lane_not_delivered(self, err, msg, on_delivery) -> None:
+        self._not_delivered(err, msg, on_delivery, "a fast-lane answer")
 
     def _ready_answers(self, runs: list, values: list, keys: list) -> None:
         """Exactly-once: the lane's answers wait for the transaction that commits their offsets."""
@@ -369,16 +368,14 @@ class Worker:
             finished(tp, offsets)
 
     def _produce_answers(self, values: list, keys: list, on_delivery) -> None:
-        produce, topic = self.producer.produce, self.responses_topic
-        j, n = 0, len(values)
-        while j < n:
-            try:
-                for j in range(j, n):
-                    produce(topic, values[j], keys[j], on_delivery=on_delivery)
+        produce, topic, produce_all = self.producer.produce, self.responses_topic, self._lane.produce_all
+        while values:
+            j = produce_all(produce, topic, values, keys, on_delivery, _PRODUCE_RETRY)
+            if j == len(values):
                 return
-            except (BufferError, KafkaException):  # queue full, or too large: the careful path
-                self._produce(topic, values[j], keys[j], None, on_delivery)
-                j += 1
+            # queue full, or too large: that one the careful way, then the rest as before
+            self._produce(topic, values[j], keys[j], None, on_delivery)
+            values, keys = values[j + 1:], keys[j + 1:]
 
     def _take_many(self, msgs: list) -> None:
         """:meth:`_take` each of ``msgs`` (one consume's worth), the common case inline."""

@@ -404,3 +404,63 @@ def test_strict_utf8_as_the_decoder():
     _assert_same(python, lane)
     assert lane.stats.completed == len(good) and lane.stats.dead_lettered == len(bad)
 
+
+
+class _FlakyProducer(FakeProducer):
+    """Refuses every third produce with BufferError (queue full) and fails every answer's
+    first delivery, acknowledging the retry."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.failed_once: set = set()
+
+    def produce(self, topic, value=None, key=None, headers=None, on_delivery=None, **_):
+        self.calls += 1
+        if self.calls % 3 == 0:
+            raise BufferError("queue full")
+        if value not in self.failed_once and on_delivery is not None:
+            self.failed_once.add(value)
+            on_delivery(_Err(), FakeMessage(topic, 0, -1, value, key, headers))
+            return
+        super().produce(topic, value, key, headers, on_delivery)
+
+    def poll(self, timeout=0):
+        return 0
+
+
+class _Err:
+    def code(self):
+        return -1
+
+    def fatal(self):
+        return False
+
+    def str(self):
+        return "transient"
+
+    def __str__(self):
+        return "transient"
+
+
+def test_refused_produces_and_failed_deliveries_are_retried_and_counted_once():
+    values = [CODEC.encode_request(_request(i)) for i in range(40)]
+    worker = _worker(True)
+    worker.producer = _FlakyProducer()
+    _feed(worker, _msgs(values, _normal_topic()), True)
+    sent = [m.value() for m in worker.producer.sent]
+    assert len(sent) == len(set(sent)) == 40  # each answer acknowledged once, none lost
+    assert worker.stats.delivery_retries == 40
+    assert worker.stats.delivered == 40
+    assert worker.tracker.to_commit() == [((_normal_topic(), 0), 40)]
+
+
+def test_countdown_counts_reports_down_and_hands_errors_on():
+    calls = []
+    countdown = fastlane._lane.Countdown(2, lambda: calls.append("done"), lambda e, m, cb: calls.append((e, m, cb)))
+    countdown(None, "m1")
+    assert countdown.left == 1 and calls == []
+    countdown("err", "m2")
+    assert calls == [("err", "m2", countdown)] and countdown.left == 1
+    countdown(None, "m2")
+    assert calls[-1] == "done" and countdown.left == 0
