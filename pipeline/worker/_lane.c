@@ -297,7 +297,7 @@ static int read_request(const RequestPlan *plan, const uint8_t *p, const uint8_t
 }
 
 /* The response program and the enum mappings; -1 when it is not the one this code writes. */
-static int response_plan(ResponsePlan *plan, PyObject *program, PyObject *completed, const RequestPlan *req,
+static int response_plan(ResponsePlan *plan, PyObject *program, PyObject *completed,
                          PyObject *req_program, PyObject *band_of, PyObject *request_index) {
     if (!PyTuple_CheckExact(program) || PyTuple_GET_SIZE(program) != PROGRAM_SIZE) return -1;
     PyObject *ops = PyTuple_GET_ITEM(program, 0), *args = PyTuple_GET_ITEM(program, 1);
@@ -311,6 +311,7 @@ static int response_plan(ResponsePlan *plan, PyObject *program, PyObject *comple
     plan->max_record = PyLong_AsSsize_t(PyTuple_GET_ITEM(program, 9));
     if (PyErr_Occurred()) return -1;
     int have_requested = 0, have_served = 0, have_status = 0;
+    plan->completed = -1; /* set below, or the plan is refused */
     for (Py_ssize_t i = 0; i < plan->nfields; i++) {
         PyObject *arg = PyTuple_GET_ITEM(args, i);
         Py_ssize_t position = PyLong_AsSsize_t(PyTuple_GET_ITEM(slots, i));
@@ -364,7 +365,6 @@ static int response_plan(ResponsePlan *plan, PyObject *program, PyObject *comple
         else have_served = 1;
     }
     if (PyErr_Occurred() || !have_requested || !have_served || !have_status) return -1;
-    (void)req;
     return 0;
 }
 
@@ -396,17 +396,6 @@ static int put_num(Writer *w, int op, int64_t v) {
 static int put_enum(Writer *w, int op, int64_t index) {
     if ((op & OP_TYPE) != OP_ENUM || put_branch(w, op) < 0) return -1;
     return put_long(w, index);
-}
-
-/* crc32 of a str's UTF-8 bytes, continuing from seed; -1 when it has none. */
-static int64_t crc_of_str(PyObject *s, uint32_t seed) {
-    Py_ssize_t n;
-    const char *utf8 = PyUnicode_AsUTF8AndSize(s, &n);
-    if (utf8 == NULL) {
-        PyErr_Clear();
-        return -1;
-    }
-    return crc32_update(seed, (const uint8_t *)utf8, n);
 }
 
 /* A C long out of an exact int, or fail (-1, no exception) when it is not one or too big. */
@@ -740,7 +729,7 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         !PyTuple_CheckExact(bounds) || PyTuple_GET_SIZE(bounds) > MAX_BOUNDS || max_out < 1 ||
         (cancelled != Py_None && !PyDict_Check(cancelled)) ||
         request_plan(&rplan, PyTuple_GET_ITEM(ctx, 0), PyTuple_GET_ITEM(ctx, 1)) < 0 ||
-        response_plan(&wplan, PyTuple_GET_ITEM(ctx, 3), completed, &rplan, PyTuple_GET_ITEM(ctx, 0), band_of,
+        response_plan(&wplan, PyTuple_GET_ITEM(ctx, 3), completed, PyTuple_GET_ITEM(ctx, 0), band_of,
                       PyTuple_GET_ITEM(ctx, 1)) < 0) {
         if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_MemoryError)) return NULL;
         PyErr_Clear();
