@@ -22,11 +22,13 @@ from the current event's partition only) and are read and written directly (thei
 changelog records encoded as Faust encodes them), each key once per batch; Faust still recovers
 them from the changelogs at start.
 
-Delivery: one agent per band (concurrency 1 each: faust#606 makes concurrent agents commit
-past in-flight events) takes as a batch whatever has arrived; a batch's outputs, changelog
-records included, go through librdkafka, and its events are acknowledged only when the broker
-has acknowledged every one of them (:mod:`pipeline.gateway.deliveries`), while the next batch
-is already being handled.
+Intake and delivery: the consumer hands each fetch's records to the gateway in batches, band
+by band, CRITICAL first (:mod:`pipeline.gateway.intake`; faust's per-event streams cost more
+than the admission itself). One batch is handled at a time, so nothing commits past work in
+flight (faust#606 is about concurrent agents). A batch's outputs, changelog records included,
+go through librdkafka, and its offsets are acknowledged only when the broker has acknowledged
+every one of them (:mod:`pipeline.gateway.deliveries`), while the next batch is already being
+handled.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from pipeline.dlq import dead_letter_headers
 from pipeline.errors import DecodeError, EncodeError, LlmqError
 from pipeline.gateway import faust_fixes
 from pipeline.gateway.deliveries import Deliveries, Outputs
+from pipeline.gateway.intake import Acks, BatchIntake
 from pipeline.models import Priority, Response, Status
 from pipeline.observability.metrics import GatewayMetrics, reason_code
 from pipeline.policy.admission import Action, Admission, DegradePolicy
@@ -68,16 +71,16 @@ class _Batch:
     """Table reads and writes of one batch; writes are kept until its end and made once per key.
 
     Every table write is a changelog message; a batch of 200 requests from 50 tenants touches
-    ~100 counters, so writing each once at the end of the batch (with the event it belongs to
-    as Faust's "current event", and the clock of its decision) saves most of them. Reads see
+    ~100 counters, so writing each once at the end of the batch (to the changelog partition of
+    the last record that changed it, with the clock of its decision) saves most of them. Reads see
     the batch's own writes first, and a key is read from its table once per batch: nothing
     else writes these tables while a batch is handled (handling never awaits).
     """
 
     def __init__(self, gateway: "Gateway"):
         self.gateway = gateway
-        self.event = None  # set by the agent: the event whose decision is being made
-        self.dirty: dict = {}  # (table id, key) → (write, value, event, clock_s)
+        self.partition = 0  # set by the gateway: the partition of the record being decided
+        self.dirty: dict = {}  # (table id, key) → (write, value, partition, clock_s)
         self.clean: dict = {}  # (table id, key) → value read this batch
 
     def get(self, table, key, read):
@@ -93,15 +96,15 @@ class _Batch:
 
     def set(self, table, key, value, write) -> None:
         g = self.gateway
-        self.dirty[(id(table), key)] = (write, value, self.event, g._clock_s)
+        self.dirty[(id(table), key)] = (write, value, self.partition, g._clock_s)
 
     def flush(self) -> None:
         g = self.gateway
         clock = g._clock_s
         self.clean.clear()
-        for write, value, event, clock_s in self.dirty.values():
+        for write, value, partition, clock_s in self.dirty.values():
             g._clock_s = clock_s
-            write(value, event)
+            write(value, partition)
         g._clock_s = clock
         self.dirty.clear()
 
@@ -155,7 +158,7 @@ class _Direct:
         except KeyError:
             return self.default() if self.default is not None else None
 
-    def set(self, key, value, event) -> None:
+    def set(self, key, value, partition: int) -> None:
         full = self._full_key(key)
         self.data[full] = value
         encoded = self._key_bytes.get(full)
@@ -166,7 +169,6 @@ class _Direct:
         value_bytes = _fast_counter_value(value) if self._fast_values else None
         if value_bytes is None:
             value_bytes = self._faust_value(value)
-        partition = event.message.partition
         self.gateway._outputs.produce(self.topic_name, value_bytes, encoded, partition=partition)
         if self.window is not None and self.window.expires is not None:
             self.table._maybe_set_key_ttl(full, partition)
@@ -215,7 +217,7 @@ class _WindowedCounts(MutableMapping):
     def __setitem__(self, key, value):
         name, who = self._split(key)
         table = self.tables[name]
-        self.batch.set(table, key, value, lambda v, event: table.set(who, v, event))
+        self.batch.set(table, key, value, lambda v, partition: table.set(who, v, partition))
 
     def __delitem__(self, key):  # windows expire by themselves
         raise NotImplementedError
@@ -242,7 +244,7 @@ class _Counts:
 
     def __setitem__(self, key, value):
         table = self.table
-        self.batch.set(table, key, value, lambda v, event: table.set(key, v, event))
+        self.batch.set(table, key, value, lambda v, partition: table.set(key, v, partition))
 
     def add(self, key, n: int = 1) -> None:
         self[key] = (self.get(key) or 0) + n
@@ -348,15 +350,7 @@ class Gateway:
 
         for table in self.app.tables.values():
             self._changelog_through_outputs(table)
-        self._intakes: set[_Intake] = set()
-        flow = self.app.flow_control
-        clear_queues = flow.clear
 
-        def clear_then_flush() -> None:
-            clear_queues()
-            self._on_flow_cleared()
-
-        flow.clear = clear_then_flush
         def access(table):  # the memory store is the only one (see GatewaySettings.store)
             return _Direct(table, self)
 
@@ -381,12 +375,14 @@ class Gateway:
             max_timeout_ms=g.max_timeout_ms)
         self.cancellations: CancellationView | None = None
         self._depth_loaded = False
-        # Batches are processed without yielding to the other bands' agents: kept short.
+        # A batch is handled without yielding to the event loop: kept short.
         self.batch_size = g.batch_size
 
-        for band, topic in self.requests.items():
-            self.app.agent(topic, name=f"admit-{band.value.lower()}", concurrency=1)(self._admit_agent)
-        self.app.agent(self.responses_in, name="completions", concurrency=1)(self._completions_agent)
+        for topic in (*self.requests.values(), self.responses_in):
+            self.app.topics.add(topic)  # subscribed by faust; the intake takes their records
+        handlers = {topic.get_topic_name(): self._admit_events for topic in self.requests.values()}
+        handlers[self.responses_in.get_topic_name()] = self._complete_events
+        self.app.llmq_intake = BatchIntake(handlers, self.batch_size)  # read by the consumer
         self.app.timer(0.2, on_leader=False)(self._poll_cancellations)
         gateway = self
 
@@ -406,33 +402,9 @@ class Gateway:
         self.app.page("/v1/queue")(queue_view)
         self.app.page("/metrics")(metrics_view)
 
-    # -- agents ---------------------------------------------------------------------------
+    # -- batches ---------------------------------------------------------------------------
 
-    async def _admit_agent(self, stream):
-        await self._take(stream, self._admit_events)
-
-    async def _completions_agent(self, stream):
-        await self._take(stream, self._complete_events)
-
-    async def _take(self, stream, handle) -> None:
-        intake = _Intake(stream, self.batch_size, handle)
-        self._intakes.add(intake)
-        try:
-            await intake.run()
-        finally:
-            self._intakes.discard(intake)
-
-    def _on_flow_cleared(self) -> None:
-        # faust empties the agents' queues before a rebalance or a shutdown and then waits for
-        # every event it handed out to be acknowledged; a batch still filling would wait for
-        # events that were just thrown away.
-        for intake in list(self._intakes):
-            try:
-                intake.flush()
-            except Exception:  # noqa: BLE001 (the rebalance must go on; the events stay unacknowledged)
-                log.exception("handling a batch before a rebalance failed; it will be redone")
-
-    def _admit_events(self, events: list) -> None:
+    def _admit_events(self, records: list, acks: Acks) -> None:
         if self._deliveries.failed:
             # The broker refused an output after librdkafka's retries: stop, so that a restart
             # redoes everything from the last commit, which is before that output's batch.
@@ -443,43 +415,41 @@ class Gateway:
             self._load_state()
         batch = self._admit_batch
         outputs = self._outputs = self._deliveries.batch()
-        seen_new: dict[int, list] = {}  # partition → [first event, [[id, source], ...]]
-        for event in events:
-            batch.event = event
+        seen_new: dict[int, list] = {}  # partition → [first record, [[id, source], ...]]
+        for msg in records:
+            batch.partition = msg.partition
             try:
-                self._admit_one(event, seen_new)
+                self._admit_one(msg, seen_new)
             except Exception as exc:  # noqa: BLE001 (a bug must neither stop the gateway nor lose the request)
-                log.exception("admitting %s[%d]@%d failed", event.message.topic, event.message.partition,
-                              event.message.offset)
-                self._dead_letter(event, "gateway_error", f"{type(exc).__name__}: {exc}")
+                log.exception("admitting %s[%d]@%d failed", msg.topic, msg.partition, msg.offset)
+                self._dead_letter(msg, "gateway_error", f"{type(exc).__name__}: {exc}")
         batch.flush()
         for first, entries in seen_new.values():
-            self._seen_access.set(f"{first.message.partition}:{first.message.offset}", entries, first)
-        # The events are acknowledged when the broker has every output of the batch (from the
+            self._seen_access.set(f"{first.partition}:{first.offset}", entries, first.partition)
+        # The offsets are acknowledged when the broker has every output of the batch (from the
         # delivery thread); meanwhile the next batch goes ahead.
-        outputs.seal(events)
+        outputs.seal(acks.ack)
 
-    def _complete_events(self, events: list) -> None:
+    def _complete_events(self, records: list, acks: Acks) -> None:
         now = _now_ms()
         self._clock_s = now / 1000.0
         batch = self._completion_batch
         outputs = self._outputs = self._deliveries.batch()
-        for event in events:
-            batch.event = event
+        for msg in records:
+            batch.partition = msg.partition
             try:
-                self._complete_one(event, now)
+                self._complete_one(msg, now)
             except Exception:  # noqa: BLE001 (a response the gateway cannot count is still the client's)
-                log.exception("counting the completion %s[%d]@%d failed", event.message.topic,
-                              event.message.partition, event.message.offset)
+                log.exception("counting the completion %s[%d]@%d failed", msg.topic, msg.partition, msg.offset)
         batch.flush()
-        outputs.seal(events)
+        outputs.seal(acks.ack)
 
     def _changelog_through_outputs(self, table) -> None:
         """Send ``table``'s changelog records with the batch's other outputs, through librdkafka.
 
         Through Faust's own producer (aiokafka) a changelog record costs a good part of a
         millisecond of the event loop, and its buffer of 100 fills and stalls the agents; here
-        it costs microseconds, and the batch's events wait for it like for any other output,
+        it costs microseconds, and the batch's offsets wait for it like for any other output,
         so a committed offset is never ahead of the table state it produced.
         """
         original = table.send_changelog
@@ -502,15 +472,14 @@ class Gateway:
     def _produce(self, topic: str, value: bytes, key: bytes | None, headers=None) -> None:
         self._outputs.produce(topic, value, key, headers)
 
-    def _admit_one(self, event, seen_new: dict) -> None:
-        msg = event.message
+    def _admit_one(self, msg, seen_new: dict) -> None:
         now = _now_ms()
         self._clock_s = now / 1000.0
         m = self.metrics
         try:
-            req = self.codec.decode_request(event.value)
+            req = self.codec.decode_request(msg.value)
         except DecodeError as exc:
-            self._dead_letter(event, exc.reason, str(exc))
+            self._dead_letter(msg, exc.reason, str(exc))
             return
 
         source = f"{msg.topic}:{msg.partition}:{msg.offset}"
@@ -519,7 +488,7 @@ class Gateway:
             # The same id submitted again: it was (or is being) answered once already.
             m.outcome(req.priority.value, "duplicate")
             return
-        self._remember(req.request_id, source, event, seen_new)
+        self._remember(req.request_id, source, msg, seen_new)
 
         cancelled = self.cancellations is not None and self.cancellations.reason(req.request_id) is not None
         decision = self.admission.decide(req, now, cancelled=cancelled)
@@ -553,24 +522,23 @@ class Gateway:
         self._respond(Response.for_request(req, status, reason=decision.reason,
                                            retry_after_ms=decision.retry_after_ms, served_priority=decision.band))
 
-    def _dead_letter(self, event, reason: str, detail: str) -> None:
-        msg = event.message
+    def _dead_letter(self, msg, reason: str, detail: str) -> None:
         self.metrics.outcome("UNKNOWN", "dead_lettered")
         self.metrics.dead_letters.labels(reason).inc()
         headers = dead_letter_headers(msg.topic, msg.partition, msg.offset, reason, detail, "gateway",
                                       list(msg.headers or ()))
         log.warning("dead-lettering %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, detail)
-        self._produce(self.dlq_topic, event.value, event.key, headers)
+        self._produce(self.dlq_topic, msg.value, msg.key, headers)
 
-    def _remember(self, request_id: str, source: str, event, seen_new: dict) -> None:
+    def _remember(self, request_id: str, source: str, msg, seen_new: dict) -> None:
         seen = self._seen
         if request_id in seen:
             return  # redelivered after a crash: already logged
         clock = self._clock_s
         seen[request_id] = (source, clock)
-        entry = seen_new.get(event.message.partition)
+        entry = seen_new.get(msg.partition)
         if entry is None:
-            entry = seen_new[event.message.partition] = [event, []]
+            entry = seen_new[msg.partition] = [msg, []]
         entry[1].append([request_id, source])
         # Oldest first (insertion order): forget what is past the horizon.
         horizon = clock - self._seen_horizon_s
@@ -591,16 +559,16 @@ class Gateway:
 
     # -- completions ----------------------------------------------------------------------
 
-    def _complete_one(self, event, now: int) -> None:
+    def _complete_one(self, msg, now: int) -> None:
         try:
-            resp = self.codec.decode_response(event.value)
+            resp = self.codec.decode_response(msg.value)
         except DecodeError:
             return  # the response topic's consumers dead-letter nothing: not ours to judge
         if not resp.status.is_terminal or resp.admitted_at is None or resp.served_priority is None:
             return  # progress events, and answers to requests the gateway never dispatched
         band = resp.served_priority
         self._finished.add(f"{resp.tenant_id}{_SEP}{band.value}")
-        self._finished.add(f"{band.value}{_SEP}p{event.message.partition}")
+        self._finished.add(f"{band.value}{_SEP}p{msg.partition}")
         self.queues.finished(band.rank, now)
         self.metrics.finished.labels(band.value, resp.status.value.lower()).inc()
 
@@ -698,37 +666,6 @@ class _GatewayWorker(faust.Worker):
     async def on_startup_finished(self) -> None:
         await super().on_startup_finished()
         freeze_long_lived("gateway")  # tables are recovered by now
-
-
-class _Intake:
-    """An agent's events, handled in batches of what has arrived.
-
-    A batch ends at ``max_size`` or when nothing more is waiting in the agent's queue, so it
-    grows with the load and never waits to fill (faust's ``take_events`` waits a fixed time for
-    each batch and wakes idle agents as often). ``handle(events)`` is synchronous and makes
-    its own arrangements to acknowledge the events.
-    """
-
-    def __init__(self, stream, max_size: int, handle):
-        self.stream, self.max_size, self.handle = stream, max_size, handle
-        self.held: list = []
-
-    async def run(self) -> None:
-        stream = self.stream
-        stream.enable_acks = False
-        queue = stream.channel.queue
-        flow = stream.app.flow_control
-        async for _ in stream:
-            # self.held, not a local: flush() may have handed it off while this waited.
-            self.held.append(stream.current_event)
-            if len(self.held) >= self.max_size or queue.empty() or not flow.is_active():
-                self.flush()
-
-    def flush(self) -> None:
-        """Handle what is held now (also called while the agent waits for its next event)."""
-        if self.held:
-            events, self.held = self.held, []
-            self.handle(events)
 
 
 class _Sent:

@@ -1,11 +1,11 @@
-"""Acknowledge a gateway batch's source events once the broker has every output of the batch.
+"""Acknowledge a gateway batch's source records once the broker has every output of the batch.
 
 The gateway's outputs (dispatched requests, rejections, dead letters, table changelogs) go
 through librdkafka. Waiting for a batch's deliveries before taking the next batch left the event
 loop idle for a broker round trip per batch. Instead the next batch goes ahead, and a thread
-that polls the producer acknowledges a batch's events (in the event loop) when the last output
+that polls the producer acknowledges a batch's records (in the event loop) when the last output
 of the batch is delivered. Faust commits only contiguously acknowledged offsets, and before a
-rebalance or a shutdown it waits until every event it handed out is acknowledged, so an offset
+rebalance or a shutdown it waits until every batch handed out is acknowledged, so an offset
 is never committed ahead of an output.
 """
 
@@ -58,15 +58,15 @@ class Deliveries:
 
 
 class Outputs:
-    """What one batch produced: its events are acknowledged when all of it is delivered."""
+    """What one batch produced: its records are acknowledged when all of it is delivered."""
 
-    __slots__ = ("deliveries", "produced", "delivered", "events", "sealed", "lock")
+    __slots__ = ("deliveries", "produced", "delivered", "on_done", "sealed", "lock")
 
     def __init__(self, deliveries: Deliveries):
         self.deliveries = deliveries
         self.produced = 0
         self.delivered = 0
-        self.events: list = []
+        self.on_done = None
         self.sealed = False
         self.lock = threading.Lock()
 
@@ -83,10 +83,10 @@ class Outputs:
             except BufferError:
                 producer.poll(0.05)  # the local queue is full: wait for deliveries to make room
 
-    def seal(self, events: list) -> None:
-        """No more outputs: acknowledge ``events`` once the outputs are delivered."""
+    def seal(self, on_done) -> None:
+        """No more outputs: call ``on_done()`` in the event loop once the outputs are delivered."""
         with self.lock:
-            self.events = events
+            self.on_done = on_done
             self.sealed = True
             done = self.delivered == self.produced
         if done:
@@ -105,11 +105,6 @@ class Outputs:
 
     def _release(self) -> None:
         if threading.get_ident() == self.deliveries.loop_thread:
-            _ack(self.events)
+            self.on_done()
         else:
-            self.deliveries.loop.call_soon_threadsafe(_ack, self.events)
-
-
-def _ack(events: list) -> None:
-    for event in events:
-        event.ack()
+            self.deliveries.loop.call_soon_threadsafe(self.on_done)

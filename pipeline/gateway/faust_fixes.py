@@ -24,7 +24,10 @@ import functools
 
 from faust.tables.recovery import Recovery
 from faust.transport import drivers
+from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as faust_aiokafka
+
+from pipeline.gateway.intake import Acks
 
 _EVENT_WAIT = asyncio.Event.wait.__code__  # the consumer's suspend_flow is an asyncio.Event
 FETCH_MAX_WAIT_MS = 100  # set by the gateway from its settings before the app starts
@@ -93,6 +96,128 @@ class _ShortFetchConsumer(faust_aiokafka.Consumer):
                 return None
             coros = (_Continue(deliver, pending).run(), suspended)
         return await super().wait_first(*coros, timeout=timeout)
+
+
+    async def _drain_messages(self, fetcher) -> None:
+        """faust's fetch loop, with the gateway's topics handed over in batches (see
+        :mod:`pipeline.gateway.intake`); without an intake on the app, faust's own loop."""
+        intake = getattr(self.app, "llmq_intake", None)
+        if intake is None:
+            return await super()._drain_messages(fetcher)
+        consumer_should_stop, fetcher_should_stop = self._stopped.is_set, fetcher._stopped.is_set
+        set_flag, unset_flag = self.diag.set_flag, self.diag.unset_flag
+        try:
+            while not (consumer_should_stop() or fetcher_should_stop()):
+                set_flag(CONSUMER_FETCHING)
+                records, active = await self._wait_next_records(1.0)
+                if records and not self.should_stop:
+                    if self.flow_active:
+                        await self._deliver_fetched(intake, records, active)
+                    else:  # as faust's getmany: records fetched across a rebalance are read again
+                        try:
+                            await self.perform_seek()
+                        except Exception as exc:  # noqa: BLE001
+                            self.log.warning(f"exception performing seek when flow not active {exc}")
+                unset_flag(CONSUMER_FETCHING)
+        except self.consumer_stopped_errors:
+            if self.transport.app.should_stop:
+                self.log.info("Broker stopped consumer, shutting down...")
+                return
+            raise
+        except asyncio.CancelledError:
+            if self.transport.app.should_stop:
+                self.log.info("Consumer shutting down for user cancel.")
+                return
+            raise
+        except Exception as exc:
+            self.log.exception("Drain messages raised: %r", exc)
+            raise
+        finally:
+            unset_flag(CONSUMER_FETCHING)
+
+    async def _deliver_fetched(self, intake, records, active) -> None:
+        app = self.app
+        generation = app.consumer_generation_id
+        buffered = self._buffered_partitions
+        rank = intake.rank
+        by_topic: dict = {}
+        others = []
+        for tp, recs in records.items():
+            if active is not None and tp not in active and tp not in buffered:
+                continue
+            app.monitor.track_tp_end_offset(tp, self.highwater(tp))
+            if tp.topic in rank:
+                by_topic.setdefault(tp.topic, []).append((tp, recs))
+            else:
+                others.append((tp, recs))
+        for topic in sorted(by_topic, key=rank.__getitem__):
+            if not await self._deliver_batches(intake.handlers[topic], topic, by_topic[topic], generation,
+                                               intake.max_batch):
+                return
+        for tp, recs in others:
+            if not await self._deliver_one_by_one(tp, recs, generation):
+                return
+
+    def _still_current(self, generation) -> bool:
+        return self.flow_active and not self.should_stop and self.app.consumer_generation_id == generation
+
+    async def _deliver_batches(self, handle, topic, tp_records, generation, max_batch) -> bool:
+        """Hand ``topic``'s fetched records to ``handle`` in batches; False once a rebalance
+        began (what was not handled yet is read again after it)."""
+        read_offset = self._read_offset
+        acks_enabled = self.app.topics.acks_enabled_for(topic)
+        pending = []  # (tp, record), each partition's after its read offset
+        for tp, recs in tp_records:
+            r_offset = read_offset[tp]
+            for rec in recs:
+                offset = rec.offset
+                if r_offset is None or offset >= r_offset:
+                    if r_offset and offset - r_offset > 1 and acks_enabled:
+                        await self._add_gap(tp, r_offset + 1, offset)  # as faust: offsets no message has
+                    pending.append((tp, rec))
+                    r_offset = offset
+        for start in range(0, len(pending), max_batch):
+            if start:
+                await asyncio.sleep(0)  # a long fetch does not hold the loop (timers, web, other topics)
+            if not self._still_current(generation):
+                return False
+            commit_every = self._commit_every
+            if commit_every is not None and self._n_acked >= commit_every:
+                self._n_acked = 0
+                await self.commit()
+                if not self._still_current(generation):
+                    return False
+            chunk = pending[start:start + max_batch]
+            acks = Acks(self)
+            offsets = acks.offsets
+            for tp, rec in chunk:
+                lst = offsets.get(tp)
+                if lst is None:
+                    lst = offsets[tp] = []
+                lst.append(rec.offset)
+            self._unacked_messages.add(acks)
+            for tp, lst in offsets.items():
+                read_offset[tp] = lst[-1]
+            handle([rec for _, rec in chunk], acks)
+        return True
+
+    async def _deliver_one_by_one(self, tp, recs, generation) -> bool:
+        """faust's own delivery, for the topics the intake does not take."""
+        read_offset = self._read_offset
+        acks_enabled_for = self.app.topics.acks_enabled_for
+        callback = self.callback
+        for rec in recs:
+            if not self._still_current(generation):
+                return False
+            message = self._to_message(tp, rec)
+            offset = message.offset
+            r_offset = read_offset[tp]
+            if r_offset is None or offset >= r_offset:
+                if offset - (r_offset or 0) > 1 and r_offset and acks_enabled_for(message.topic):
+                    await self._add_gap(tp, r_offset + 1, offset)
+                await self.wait_first(callback(message), self.suspend_flow.wait())
+                read_offset[tp] = offset
+        return True
 
 
 class _Continue:

@@ -10,10 +10,14 @@ from pipeline.gateway import app as gateway_app
 from pipeline.gateway.app import Gateway
 
 
-class FakeEvent:
-    def __init__(self, offset):
-        self.message = SimpleNamespace(topic="llm.requests.normal", partition=0, offset=offset, headers=[])
-        self.value, self.key = b"\xc3\x01request", b"tenant"
+def fake_record(offset):
+    """What the intake hands the gateway: aiokafka's ConsumerRecord (these attributes)."""
+    return SimpleNamespace(topic="llm.requests.normal", partition=0, offset=offset, headers=[],
+                           value=b"\xc3\x01request", key=b"tenant")
+
+
+class FakeAcks:
+    def __init__(self):
         self.acked = False
 
     def ack(self):
@@ -39,22 +43,22 @@ def test_a_failing_request_is_dead_lettered_and_the_batch_goes_on(tmp_path, monk
     gateway = Gateway(settings, app_id="unit-gw", web_port=0, datadir=str(tmp_path / "gw"))
     produced, admitted = [], []
 
-    def admit_one(event, seen_new):
-        if event.message.offset == 1:
+    def admit_one(msg, seen_new):
+        if msg.offset == 1:
             raise KeyError("a bug")
-        admitted.append(event.message.offset)
+        admitted.append(msg.offset)
 
     gateway._admit_one = admit_one
     gateway._produce = lambda topic, value, key, headers=None: produced.append((topic, value, dict(headers or [])))
-    events = [FakeEvent(i) for i in range(3)]
+    records, acks = [fake_record(i) for i in range(3)], FakeAcks()
 
     async def run():
-        gateway._admit_events(events)
+        gateway._admit_events(records, acks)
         gateway._deliveries.close(1)
 
     asyncio.run(run())
     assert admitted == [0, 2]
     [(topic, value, headers)] = produced
-    assert topic == settings.topics.dlq and value == events[1].value
+    assert topic == settings.topics.dlq and value == records[1].value
     assert headers[H_REASON] == b"gateway_error"
-    assert all(e.acked for e in events)  # nothing left unacknowledged: the dead letter is the answer
+    assert acks.acked  # nothing left unacknowledged: the dead letter is the answer

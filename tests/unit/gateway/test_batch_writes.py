@@ -11,7 +11,7 @@ from pipeline.gateway.app import _Batch, _Counts, _Direct, _Outstanding, _Window
 
 
 class RecordingTable:
-    """The accessor interface (get, set with the event) over a dict, recording writes."""
+    """The accessor interface (get, set with the changelog partition) over a dict, recording writes."""
 
     def __init__(self):
         self.data, self.reads, self.writes = {}, [], []
@@ -20,8 +20,8 @@ class RecordingTable:
         self.reads.append(key)
         return self.data.get(key)
 
-    def set(self, key, value, event):
-        self.writes.append((key, value, event))
+    def set(self, key, value, partition):
+        self.writes.append((key, value, partition))
         self.data[key] = value
 
 
@@ -30,17 +30,17 @@ def _batch():
     return _Batch(gateway), gateway
 
 
-def test_reads_see_the_batch_and_each_key_is_read_and_written_once_with_its_last_event():
+def test_reads_see_the_batch_and_each_key_is_read_and_written_once_with_its_last_partition():
     batch, _ = _batch()
     table = RecordingTable()
     counts = _Counts(table, batch)
-    for event in ("e1", "e2", "e3"):
-        batch.event = event
+    for partition in (1, 2, 3):
+        batch.partition = partition
         counts.add("acme")
     assert counts.get("acme") == 3 and table.writes == []
     assert table.reads == ["acme"]
     batch.flush()
-    assert table.writes == [("acme", 3, "e3")]  # the changelog partition of the last event that touched it
+    assert table.writes == [("acme", 3, 3)]  # the changelog partition of the last record that touched it
     assert batch.dirty == {} and batch.clean == {}
 
 
@@ -52,17 +52,17 @@ def test_window_writes_use_the_clock_of_their_decision():
         def get(self, who):
             return None
 
-        def set(self, who, value, event):
-            seen_clocks.append((who, value, event, gateway._clock_s))
+        def set(self, who, value, partition):
+            seen_clocks.append((who, value, partition, gateway._clock_s))
 
     counts = _WindowedCounts({"per_second": Window()}, batch)
-    batch.event = "e"
+    batch.partition = 4
     gateway._clock_s = 41.5
     counts["per_second\x1facme\x1f41000"] = [1, 10]
     assert counts.get("per_second\x1facme\x1f41000") == [1, 10]
     gateway._clock_s = 42.2  # the batch ends in the next second
     batch.flush()
-    assert seen_clocks == [("acme", [1, 10], "e", 41.5)]
+    assert seen_clocks == [("acme", [1, 10], 4, 41.5)]
     assert gateway._clock_s == 42.2
 
 
@@ -70,7 +70,7 @@ def test_outstanding_is_admitted_minus_finished_and_never_negative():
     batch, _ = _batch()
     admitted, finished = _Counts(RecordingTable(), batch), _Counts(RecordingTable(), batch)
     out = _Outstanding(admitted, finished)
-    batch.event = "e"
+    batch.partition = 0
     out["acme\x1fNORMAL"] = out["acme\x1fNORMAL"] + 1
     out["acme\x1fNORMAL"] = out["acme\x1fNORMAL"] + 1
     finished["acme\x1fNORMAL"] = 5
@@ -95,9 +95,8 @@ def _direct(make_table):
 
 def test_direct_writes_go_to_the_store_and_the_changelog_encoded_as_faust_encodes_them():
     direct, table, gateway = _direct(lambda app, g: app.Table("admitted", default=int, partitions=4))
-    event = SimpleNamespace(message=SimpleNamespace(partition=3))
     assert direct.get("acme") == 0
-    direct.set("acme", 7, event)
+    direct.set("acme", 7, 3)
     assert direct.get("acme") == 7 and table.data["acme"] == 7
     topic = table.changelog_topic
     assert gateway._outputs.sent == [(topic.get_topic_name(), topic.prepare_key("acme", table.key_serializer)[0],
@@ -107,8 +106,7 @@ def test_direct_writes_go_to_the_store_and_the_changelog_encoded_as_faust_encode
 def test_direct_windowed_writes_use_the_window_of_the_gateway_clock_and_register_expiry():
     direct, table, gateway = _direct(lambda app, g: app.Table("rate", default=lambda: None, partitions=4)
                                      .tumbling(1.0, expires=2.0).relative_to(lambda event=None: g._clock_s))
-    event = SimpleNamespace(message=SimpleNamespace(partition=1))
-    direct.set("acme", [1, 10], event)
+    direct.set("acme", [1, 10], 1)
     window = table.window.current(41.5)
     assert table.data[("acme", window)] == [1, 10]
     assert direct.get("acme") == [1, 10]
@@ -122,10 +120,9 @@ def test_counter_values_and_remembered_keys_are_the_bytes_faust_would_write():
     direct, table, gateway = _direct(lambda app, g: app.Table("rate", default=lambda: None, partitions=4)
                                      .tumbling(1.0, expires=2.0).relative_to(lambda event=None: g._clock_s))
     topic = table.changelog_topic
-    event = SimpleNamespace(message=SimpleNamespace(partition=2))
     values = [[1, 10], [0, 0], [7, 2**40], 5, -3, None, [["id-1", "t:0:5"]], {"a": 1}, True]
     for value in values:
-        direct.set("tenant \"q\" é", value, event)  # the key is encoded once, then remembered
+        direct.set("tenant \"q\" é", value, 2)  # the key is encoded once, then remembered
     window = table.window.current(41.5)
     want_key = topic.prepare_key(("tenant \"q\" é", window), table.key_serializer)[0]
     assert [sent[1] for sent in gateway._outputs.sent] == [want_key] * len(values)

@@ -1,79 +1,110 @@
-"""How the gateway's agents batch their events (pipeline.gateway.app._Intake)."""
+"""The gateway's topics come from faust's consumer in batches (pipeline.gateway.intake and the
+consumer's fetch loop in pipeline.gateway.faust_fixes), and their offsets are acknowledged
+through faust's own bookkeeping: what faust commits and waits for stays what it would be."""
+
+from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 
-from pipeline.gateway.app import _Intake
+import faust
+from faust.types import TP
+
+from pipeline.gateway import faust_fixes
+from pipeline.gateway.intake import Acks, BatchIntake
 
 
-class FakeStream:
-    """What _Intake reads of a faust stream: events from a queue, one at a time."""
-
-    def __init__(self):
-        self.enable_acks = True
-        self.active = True
-        self.queue = asyncio.Queue()
-        self.channel = SimpleNamespace(queue=self.queue)
-        self.app = SimpleNamespace(flow_control=SimpleNamespace(is_active=lambda: self.active))
-        self.current_event = None
-
-    async def __aiter__(self):
-        while True:
-            await asyncio.sleep(0)  # as faust's stream iterator does before each event
-            self.current_event = await self.queue.get()
-            yield self.current_event
+def _record(topic, partition, offset):
+    """The attributes of aiokafka's ConsumerRecord."""
+    return SimpleNamespace(topic=topic, partition=partition, offset=offset, key=b"k", value=b"v", headers=[],
+                           timestamp=0, timestamp_type=0, checksum=None, serialized_key_size=1,
+                           serialized_value_size=1)
 
 
-def _run(scenario):
-    async def main():
-        stream, batches = FakeStream(), []
-        intake = _Intake(stream, 3, batches.append)
-        task = asyncio.ensure_future(intake.run())
-        try:
-            await scenario(stream, intake, batches)
-        finally:
-            task.cancel()
-        return stream
-
-    return asyncio.run(main())
-
-
-def test_a_batch_is_what_has_arrived_up_to_the_maximum_and_acks_are_left_to_the_handler():
-    async def scenario(stream, intake, batches):
-        for e in range(7):
-            stream.queue.put_nowait(e)
-        await asyncio.sleep(0.01)
-        assert batches == [[0, 1, 2], [3, 4, 5], [6]]
-        stream.queue.put_nowait(7)
-        await asyncio.sleep(0.01)
-        assert batches[-1] == [7]
-
-    assert _run(scenario).enable_acks is False
+def _consumer(handlers, max_batch=100):
+    faust_fixes.apply()
+    app = faust.App(f"intake-test-{id(handlers)}", broker="kafka+llmq://127.0.0.1:1", store="memory://")
+    for name in handlers:
+        app.topics.add(app.topic(name))
+        app.topics._acking_topics.add(name)  # what faust's subscription does for these topics
+    app.llmq_intake = BatchIntake(handlers, max_batch)
+    consumer = app.consumer
+    assert isinstance(consumer, faust_fixes._ShortFetchConsumer)
+    consumer.highwater = lambda tp: 0  # no broker here
+    return app, consumer
 
 
-def test_a_batch_still_filling_when_faust_empties_the_queues_is_handled_at_once():
-    async def scenario(stream, intake, batches):
-        stream.queue.put_nowait("a")
-        stream.queue.put_nowait("b")
-        while intake.held != ["a"]:
-            await asyncio.sleep(0)
-        # "a" taken, "b" still queued: a rebalance empties the queue before "b" is taken
-        stream.queue.get_nowait()
-        intake.flush()
-        assert batches == [["a"]] and intake.held == []
-        stream.queue.put_nowait("c")  # after the rebalance: a batch of its own
-        await asyncio.sleep(0.01)
-        assert batches[-1] == ["c"]
-
-    _run(scenario)
+def _fetch(consumer, app, records):
+    asyncio.run(consumer._deliver_fetched(app.llmq_intake, records, None))
 
 
-def test_while_flow_is_suspended_nothing_is_held_back():
-    async def scenario(stream, intake, batches):
-        stream.active = False
-        for e in range(3):
-            stream.queue.put_nowait(e)
-        await asyncio.sleep(0.01)
-        assert batches == [[0], [1], [2]]
+def test_topics_are_served_in_the_registered_order_in_batches_of_at_most_max_batch():
+    calls = []
+    handlers = {name: (lambda name: lambda recs, acks: calls.append((name, [r.offset for r in recs])))(name)
+                for name in ("critical", "background", "responses")}
+    app, consumer = _consumer(handlers, max_batch=3)
+    bg0, bg1, crit = TP("background", 0), TP("background", 1), TP("critical", 2)
+    _fetch(consumer, app, {
+        bg0: [_record("background", 0, o) for o in range(4)],
+        bg1: [_record("background", 1, o) for o in (10, 11)],
+        crit: [_record("critical", 2, 7)],
+    })
+    assert calls == [("critical", [7]), ("background", [0, 1, 2]), ("background", [3, 10, 11])]
+    assert consumer._read_offset[bg0] == 3 and consumer._read_offset[bg1] == 11
 
-    _run(scenario)
+
+def test_offsets_are_acknowledged_when_the_handler_says_so_and_not_before():
+    held = []
+    app, consumer = _consumer({"requests": lambda recs, acks: held.append(acks)})
+    tp = TP("requests", 0)
+    _fetch(consumer, app, {tp: [_record("requests", 0, o) for o in (5, 6, 7)]})
+    [acks] = held
+    assert consumer._acked[tp] == [] and acks in consumer._unacked_messages  # faust waits for it
+    acks.ack()
+    assert consumer._acked[tp] == [5, 6, 7] and consumer._acked_index[tp] == {5, 6, 7}
+    assert consumer._n_acked == 3 and acks not in consumer._unacked_messages
+    acks.ack()  # once only
+    assert consumer._acked[tp] == [5, 6, 7] and consumer._n_acked == 3
+
+
+def test_offsets_below_the_committed_offset_are_not_acknowledged_again():
+    app, consumer = _consumer({"requests": lambda recs, acks: None})
+    tp = TP("requests", 0)
+    consumer._committed_offset[tp] = 6
+    acks = Acks(consumer)
+    acks.offsets[tp] = [4, 5, 6, 7]
+    acks.ack()
+    assert consumer._acked[tp] == [6, 7]
+
+
+def test_records_before_the_read_offset_are_not_handed_over_twice():
+    got = []
+    app, consumer = _consumer({"requests": lambda recs, acks: got.extend(r.offset for r in recs)})
+    tp = TP("requests", 0)
+    consumer._read_offset[tp] = 3
+    _fetch(consumer, app, {tp: [_record("requests", 0, o) for o in (2, 3, 4)]})
+    assert got == [3, 4]  # as faust: the read offset itself may come again, what is before it not
+
+
+def test_a_rebalance_during_a_fetch_leaves_the_rest_unread_for_after_the_seek():
+    got = []
+    app, consumer = _consumer({"requests": lambda recs, acks: (got.append([r.offset for r in recs]),
+                                                               setattr(consumer, "flow_active", False))},
+                              max_batch=2)
+    tp = TP("requests", 0)
+    _fetch(consumer, app, {tp: [_record("requests", 0, o) for o in range(5)]})
+    assert got == [[0, 1]]
+    assert consumer._read_offset[tp] == 1  # offsets 2.. were not read
+
+
+def test_other_topics_take_fausts_own_path_one_message_at_a_time():
+    delivered = []
+    app, consumer = _consumer({"requests": lambda recs, acks: None})
+
+    async def callback(message):
+        delivered.append((message.topic, message.offset))
+
+    consumer.callback = callback
+    tp = TP("gw-admitted-changelog", 0)
+    _fetch(consumer, app, {tp: [_record(tp.topic, 0, o) for o in (0, 1)]})
+    assert delivered == [(tp.topic, 0), (tp.topic, 1)]
