@@ -345,6 +345,12 @@ class GatewaySettings:
     #: The most requests admitted in one go. A batch is what has arrived, up to this many (it
     #: never waits to fill); table writes are made once per key and batch.
     batch_size: int = 200
+    #: How long the tables' changes are gathered before they are written to their changelogs
+    #: (each key once, with the partition and clock of its last change). Dispatches and answers
+    #: go out at once; only the commit of the requests' offsets waits for the write, so a crash
+    #: redoes what the changelogs do not have yet. At 1,000 req/s from 100 tenants every batch
+    #: wrote ~1.6 changelog records per request, each a message for the broker. 0 = every batch.
+    state_flush_ms: int = 200
     #: aiokafka: the longest a fetch waits when no data arrives. A fetch returns as soon as any
     #: of its partitions has data, so this is not a latency floor; it bounds the stall after a
     #: seek, resume or rebalance (faust hard-codes 1,500 ms). Short waits cost CPU: at 5 ms an
@@ -437,7 +443,7 @@ class GatewaySettings:
             if not 0 < getattr(self, key) <= 10:
                 raise ConfigError(f"gateway.{key}", "must be a fraction of capacity, > 0 (0.8 = 80%)")
         for key in ("urgent_ms", "simple_prompt_tokens", "simple_max_tokens", "default_drain_rate", "dedupe_horizon_ms",
-                    "fetch_max_wait_ms", "producer_linger_ms"):
+                    "fetch_max_wait_ms", "producer_linger_ms", "state_flush_ms"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"gateway.{key}", f"must be >= 0, got {getattr(self, key)!r}")
         if not 0 <= self.web_port < 65536:

@@ -13,14 +13,16 @@ State lives in Faust tables backed by changelog topics, so it survives a restart
 * ``admitted`` / ``finished``: per tenant and band, requests dispatched and requests whose
   terminal response came back (read from the response topic by a second agent); the
   difference is what the fairness quotas and queue depths are computed from;
-* ``seen``: request ids answered recently with the message they came in (one record per batch
-  and partition), so a re-submitted id is answered once while a redelivered message (after a
-  crash) is processed again.
+* ``seen``: request ids answered recently with the message they came in (one record per
+  partition and period, below), so a re-submitted id is answered once while a redelivered
+  message (after a crash) is processed again.
 
 The tables use Faust's memory store (the only one supported: Faust's rocksdb store reads a key
 from the current event's partition only) and are read and written directly (their store, and
-changelog records encoded as Faust encodes them), each key once per batch; Faust still recovers
-them from the changelogs at start.
+changelog records encoded as Faust encodes them). Their changes are written to the changelogs
+every ``state_flush_ms`` (each key once, with the partition and clock of its last change), and
+the offsets of the requests behind them are committed only after that write; Faust still
+recovers the tables from the changelogs at start.
 
 Intake and delivery: the consumer hands each fetch's records to the gateway in batches, band
 by band, CRITICAL first (:mod:`pipeline.gateway.intake`; faust's per-event streams cost more
@@ -37,7 +39,6 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import MutableMapping
 from pathlib import Path
 
 import faust
@@ -68,45 +69,69 @@ _BAND_BY_NAME = {p.value: p for p in Priority}
 
 
 class _Batch:
-    """Table reads and writes of one batch; writes are kept until its end and made once per key.
+    """Table reads and writes of one period (see ``Gateway._end_period``); writes are kept
+    until its end and made once per key.
 
-    Every table write is a changelog message; a batch of 200 requests from 50 tenants touches
-    ~100 counters, so writing each once at the end of the batch (to the changelog partition of
-    the last record that changed it, with the clock of its decision) saves most of them. Reads see
-    the batch's own writes first, and a key is read from its table once per batch: nothing
-    else writes these tables while a batch is handled (handling never awaits).
+    Every table write is a changelog message; 200 requests from 50 tenants touch ~100
+    counters, so writing each once at the end (to the changelog partition of the last record
+    that changed it, with the clock of its decision) saves most of them. Reads see the
+    period's own writes first, and a key is read from its table once per period: nothing else
+    writes these tables (handling a batch never awaits, and the write happens between batches).
     """
 
     def __init__(self, gateway: "Gateway"):
         self.gateway = gateway
         self.partition = 0  # set by the gateway: the partition of the record being decided
-        self.dirty: dict = {}  # (table id, key) → (write, value, partition, clock_s)
-        self.clean: dict = {}  # (table id, key) → value read this batch
-
-    def get(self, table, key, read):
-        k = (id(table), key)
-        entry = self.dirty.get(k)
-        if entry is not None:
-            return entry[1]
-        try:
-            return self.clean[k]
-        except KeyError:
-            value = self.clean[k] = read()
-            return value
-
-    def set(self, table, key, value, write) -> None:
-        g = self.gateway
-        self.dirty[(id(table), key)] = (write, value, self.partition, g._clock_s)
+        self.views: list[_View] = []
 
     def flush(self) -> None:
         g = self.gateway
         clock = g._clock_s
-        self.clean.clear()
-        for write, value, partition, clock_s in self.dirty.values():
-            g._clock_s = clock_s
-            write(value, partition)
+        for view in self.views:
+            view.flush()
         g._clock_s = clock
+
+
+class _View:
+    """One table as one batch sees it: ``values`` read once (or written) this batch, ``dirty``
+    the writes not made yet, each with the partition and clock of the decision that made it.
+    ``who`` maps a key to the table's own key (a windowed table's key leaves out the window,
+    which is the one holding the gateway's clock)."""
+
+    __slots__ = ("direct", "batch", "values", "dirty", "who")
+
+    def __init__(self, direct: "_Direct", batch: _Batch, who=None):
+        self.direct, self.batch, self.who = direct, batch, who
+        self.values: dict = {}
+        self.dirty: dict = {}
+        batch.views.append(self)
+
+    def get(self, key, default=None):
+        try:
+            value = self.values[key]
+        except KeyError:
+            who = self.who
+            value = self.values[key] = self.direct.get(key if who is None else who(key))
+        return default if value is None else value
+
+    def __getitem__(self, key):
+        return self.get(key)
+
+    def __setitem__(self, key, value) -> None:
+        self.values[key] = value
+        batch = self.batch
+        self.dirty[key] = (value, batch.partition, batch.gateway._clock_s)
+
+    def add(self, key, n: int = 1) -> None:
+        self[key] = (self.get(key) or 0) + n
+
+    def flush(self) -> None:
+        g, direct, who = self.batch.gateway, self.direct, self.who
+        for key, (value, partition, clock_s) in self.dirty.items():
+            g._clock_s = clock_s
+            direct.set(key if who is None else who(key), value, partition)
         self.dirty.clear()
+        self.values.clear()
 
 
 class _Direct:
@@ -183,23 +208,20 @@ def _fast_counter_value(value) -> bytes | None:
     return None
 
 
-class _WindowedCounts(MutableMapping):
+class _WindowedCounts:
     """The rate limiter's counters, kept in one Faust windowed table per limit.
 
-    The limiter's keys are ``limit<US>who<US>window_start``; the window comes from the table's
+    The limiter's keys are ``(limit, who, window start)``; the window comes from the table's
     clock (``relative_to``, set by the gateway before each decision), which is the same
-    epoch-aligned tumbling window the limiter computed.
+    epoch-aligned tumbling window the limiter computed. Keyed by the full key within a batch,
+    so a window boundary inside a batch is exact.
     """
 
     def __init__(self, tables: dict, batch: _Batch):
-        self.tables = tables
-        self.batch = batch
+        self.views = {name: _View(table, batch, who=_who) for name, table in tables.items()}
 
-    @staticmethod
-    def _split(key: str) -> tuple[str, str]:
-        name, rest = key.split(_SEP, 1)
-        who = rest.rsplit(_SEP, 1)[0]
-        return name, who
+    def get(self, key, default=None):
+        return self.views[key[0]].get(key, default)
 
     def __getitem__(self, key):
         value = self.get(key)
@@ -207,62 +229,27 @@ class _WindowedCounts(MutableMapping):
             raise KeyError(key)
         return value
 
-    def get(self, key, default=None):
-        name, who = self._split(key)
-        table = self.tables[name]
-        # Keyed by the full key (it names the window) so a boundary inside a batch is exact.
-        value = self.batch.get(table, key, lambda: table.get(who))
-        return default if value is None else value
-
     def __setitem__(self, key, value):
-        name, who = self._split(key)
-        table = self.tables[name]
-        self.batch.set(table, key, value, lambda v, partition: table.set(who, v, partition))
-
-    def __delitem__(self, key):  # windows expire by themselves
-        raise NotImplementedError
-
-    def __iter__(self):
-        return iter(())
-
-    def __len__(self):
-        return 0
+        self.views[key[0]][key] = value
 
 
-class _Counts:
-    """A plain table (default 0) behind the batch's write-back."""
-
-    def __init__(self, table, batch: _Batch):
-        self.table, self.batch = table, batch
-
-    def get(self, key, default=0):
-        value = self.batch.get(self.table, key, lambda: self.table.get(key))
-        return default if value is None else value
-
-    def __getitem__(self, key):
-        return self.get(key)
-
-    def __setitem__(self, key, value):
-        table = self.table
-        self.batch.set(table, key, value, lambda v, partition: table.set(key, v, partition))
-
-    def add(self, key, n: int = 1) -> None:
-        self[key] = (self.get(key) or 0) + n
+def _who(key: tuple) -> str:
+    return key[1]
 
 
-class _Outstanding(MutableMapping):
+class _Outstanding:
     """Outstanding = admitted − finished, per ``tenant<US>band``; writes go to ``admitted``
-    (the gateway admits from request events), completions to ``finished`` (response events):
+    (the gateway admits from request records), completions to ``finished`` (response records):
     each table is written from one source, so their changelogs follow their own topic."""
 
-    def __init__(self, admitted, finished):
+    def __init__(self, admitted: _View, finished: _View):
         self.admitted, self.finished = admitted, finished
 
-    def __getitem__(self, key):
-        return max(0, (self.admitted.get(key) or 0) - (self.finished.get(key) or 0))
-
     def get(self, key, default=0):
-        return self[key]
+        n = (self.admitted.get(key) or 0) - (self.finished.get(key) or 0)
+        return n if n > 0 else 0
+
+    __getitem__ = get
 
     def __setitem__(self, key, value):
         admitted = self.admitted.get(key) or 0
@@ -271,13 +258,7 @@ class _Outstanding(MutableMapping):
             self.admitted[key] = admitted + (value - current)
 
     def __delitem__(self, key):
-        pass  # a completion: counted in `finished` by the completions agent
-
-    def __iter__(self):
-        return iter(())
-
-    def __len__(self):
-        return 0
+        pass  # a completion: counted in `finished` by the completions handler
 
 
 class Gateway:
@@ -356,19 +337,25 @@ class Gateway:
 
         rate_access = {name: access(table) for name, table in self.rate_tables.items()}
         admitted, finished, self._seen_access = access(self.admitted_t), access(self.finished_t), access(self.seen_log)
-        self._admit_batch = _Batch(self)
-        self._completion_batch = _Batch(self)
-        self._admitted = _Counts(admitted, self._admit_batch)
-        self._finished_in_admit = _Counts(finished, self._admit_batch)  # read only there
-        self._finished = _Counts(finished, self._completion_batch)
+        # One view of the tables for admissions and completions alike: the changes of a period
+        # (see _end_period) are the tables' state until they are written.
+        self._tables = _Batch(self)
+        self._admitted = _View(admitted, self._tables)
+        self._finished = _View(finished, self._tables)
+        self._flush_s = g.state_flush_ms / 1000.0
+        self._period: Outputs | None = None  # the outputs since the tables were last written
+        self._period_acks: list[Acks] = []  # the batches waiting for that write
+        self._period_seen: dict[int, list] = {}  # partition → [first record, [[id, source], ...]]
+        self._period_started = 0.0
+        self._flush_timer: asyncio.TimerHandle | None = None
         caps = g.band_ints("queue_caps")
         self.queues = QueueModel([caps.get(p.value, 0) for p in Priority], default_rate_per_s=g.default_drain_rate)
         self.admission = Admission(
             g.priority_policy(),
-            RateLimiter(default_limits, tenant_limits, counts=_WindowedCounts(rate_access, self._admit_batch)),
+            RateLimiter(default_limits, tenant_limits, counts=_WindowedCounts(rate_access, self._tables)),
             FairnessQuotas(g.band_ints("tenant_outstanding"), floor=Priority(g.demote_floor),
                            tenant_caps=dict(g.tenant_outstanding_overrides),
-                           counts=_Outstanding(self._admitted, self._finished_in_admit)),
+                           counts=_Outstanding(self._admitted, self._finished)),
             self.queues,
             DegradePolicy(load=g.degrade_load, downgrade=dict(g.downgrade), simple_prompt_tokens=g.simple_prompt_tokens,
                           simple_max_tokens=g.simple_max_tokens),
@@ -396,6 +383,7 @@ class Gateway:
             return view.bytes(generate_latest(gateway.metrics.registry), content_type="text/plain")
 
         async def close_outputs(app, **kwargs):
+            gateway._end_period()
             gateway._deliveries.close()
 
         self.app.on_before_shutdown.connect(close_outputs)
@@ -413,36 +401,73 @@ class Gateway:
             raise exc
         if not self._depth_loaded:
             self._load_state()
-        batch = self._admit_batch
-        outputs = self._outputs = self._deliveries.batch()
-        seen_new: dict[int, list] = {}  # partition → [first record, [[id, source], ...]]
+        tables = self._tables
+        self._begin_batch()
+        seen_new = self._period_seen
         for msg in records:
-            batch.partition = msg.partition
+            tables.partition = msg.partition
             try:
                 self._admit_one(msg, seen_new)
             except Exception as exc:  # noqa: BLE001 (a bug must neither stop the gateway nor lose the request)
                 log.exception("admitting %s[%d]@%d failed", msg.topic, msg.partition, msg.offset)
                 self._dead_letter(msg, "gateway_error", f"{type(exc).__name__}: {exc}")
-        batch.flush()
-        for first, entries in seen_new.values():
-            self._seen_access.set(f"{first.partition}:{first.offset}", entries, first.partition)
-        # The offsets are acknowledged when the broker has every output of the batch (from the
-        # delivery thread); meanwhile the next batch goes ahead.
-        outputs.seal(acks.ack)
+        self._end_batch(acks)
 
     def _complete_events(self, records: list, acks: Acks) -> None:
         now = _now_ms()
         self._clock_s = now / 1000.0
-        batch = self._completion_batch
-        outputs = self._outputs = self._deliveries.batch()
+        tables = self._tables
+        self._begin_batch()
         for msg in records:
-            batch.partition = msg.partition
+            tables.partition = msg.partition
             try:
                 self._complete_one(msg, now)
             except Exception:  # noqa: BLE001 (a response the gateway cannot count is still the client's)
                 log.exception("counting the completion %s[%d]@%d failed", msg.topic, msg.partition, msg.offset)
-        batch.flush()
-        outputs.seal(acks.ack)
+        self._end_batch(acks)
+
+    # -- periods: the tables' changes written together -------------------------------------
+
+    def _begin_batch(self) -> None:
+        if self._period is None:
+            self._period = self._deliveries.batch()
+            self._period_started = time.monotonic()
+            if self._flush_s > 0:
+                self._flush_timer = asyncio.get_running_loop().call_later(self._flush_s, self._flush_on_time)
+        self._outputs = self._period
+
+    def _end_batch(self, acks: Acks) -> None:
+        self._period_acks.append(acks)
+        if time.monotonic() - self._period_started >= self._flush_s:
+            self._end_period()
+
+    def _flush_on_time(self) -> None:
+        self._flush_timer = None
+        try:
+            self._end_period()
+        except Exception as exc:  # noqa: BLE001 (the batches stay unacknowledged: stop, a restart redoes them)
+            log.exception("writing the gateway's tables failed")
+            asyncio.ensure_future(self.app.crash(exc))
+
+    def _end_period(self) -> None:
+        """Write the tables' changes since the last write (each key once) and acknowledge the
+        period's batches when the broker has every output of them, the changes included (from
+        the delivery thread; meanwhile the next batches go ahead). Until then faust commits
+        none of their offsets, and before a rebalance or a shutdown it waits for them."""
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        outputs = self._period
+        if outputs is None:
+            return
+        self._outputs = outputs
+        self._tables.flush()
+        for first, entries in self._period_seen.values():
+            self._seen_access.set(f"{first.partition}:{first.offset}", entries, first.partition)
+        self._period_seen = {}
+        acks, self._period_acks = self._period_acks, []
+        self._period = None
+        outputs.seal(lambda: _ack_all(acks))
 
     def _changelog_through_outputs(self, table) -> None:
         """Send ``table``'s changelog records with the batch's other outputs, through librdkafka.
@@ -676,6 +701,11 @@ class _Sent:
     def __init__(self, partition: int):
         self.message = self
         self.partition = partition
+
+
+def _ack_all(acks: list[Acks]) -> None:
+    for a in acks:
+        a.ack()
 
 
 def _now_ms() -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pipeline.models import Priority, Request
 from pipeline.policy.fairness import FairnessQuotas
@@ -45,8 +46,7 @@ class Action(enum.Enum):
     CANCEL = "cancel"
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     action: Action
     reason: str | None = None
     retry_after_ms: int | None = None

@@ -9,18 +9,19 @@ changelog-backed table (``counts`` is any mutable mapping).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import MutableMapping
+from typing import MutableMapping, NamedTuple
 
 from pipeline.models import Priority
 
 _BANDS = tuple(Priority)
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
     band: Priority | None  # None: no band has room under the tenant's caps
     demoted_from: Priority | None = None
+
+
+_NOWHERE = Placement(None)
 
 
 def outstanding_key(tenant: str, band: Priority) -> str:
@@ -33,6 +34,7 @@ class FairnessQuotas:
                  counts: MutableMapping[str, int] | None = None):
         """``caps``: band name → most requests one tenant may have outstanding there (0 = no cap)."""
         self.caps = dict(caps)
+        self._band_caps = [int(self.caps.get(b.value, 0)) for b in _BANDS]
         self.floor = floor
         self.tenant_caps = dict(tenant_caps or {})
         self.counts: MutableMapping[str, int] = {} if counts is None else counts
@@ -50,15 +52,17 @@ class FairnessQuotas:
         """The band ``tenant``'s request goes to: ``band`` if under the cap, else the next lower
         one with room, no lower than the floor (nor below ``band`` if it is already below it)."""
         floor = max(self.floor.rank, band.rank)
+        own = self.tenant_caps.get(tenant)
+        band_caps, counts = self._band_caps, self.counts
         for rank in range(band.rank, floor + 1):
             b = _BANDS[rank]
-            cap = self.cap(tenant, b)
-            if not cap or self.outstanding(tenant, b) < cap:
+            cap = band_caps[rank] if own is None else self.cap(tenant, b)
+            if not cap or counts.get(f"{tenant}\x1f{b.value}", 0) < cap:
                 return Placement(b, band if b is not band else None)
-        return Placement(None)
+        return _NOWHERE
 
     def admitted(self, tenant: str, band: Priority) -> None:
-        key = outstanding_key(tenant, band)
+        key = f"{tenant}\x1f{band.value}"  # outstanding_key, inline: once per admitted request
         self.counts[key] = self.counts.get(key, 0) + 1
 
     def finished(self, tenant: str, band: Priority) -> None:

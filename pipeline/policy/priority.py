@@ -9,10 +9,12 @@ why it was served where it was.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pipeline.models import Priority
 
 _BANDS = tuple(Priority)
+_N = len(_BANDS)
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,7 @@ class PriorityPolicy:
     highest_promoted: Priority = Priority.HIGH
 
 
-@dataclass(frozen=True)
-class PriorityDecision:
+class PriorityDecision(NamedTuple):
     requested: Priority
     effective: Priority
     reasons: tuple[str, ...]
@@ -40,18 +41,20 @@ def effective_priority(requested: Priority, user_tier: str, time_left_ms: int, e
                        policy: PriorityPolicy) -> PriorityDecision:
     """The band to dispatch to, and why it differs from ``requested`` (if it does)."""
     rank = requested.rank
-    reasons = []
+    reasons = ()
     offset = policy.tier_offsets.get(user_tier, 0)
     if offset:
         rank += offset
-        reasons.append(f"tier {user_tier} {'+' if offset < 0 else '-'}{abs(offset)}")
+        reasons += (f"tier {user_tier} {'+' if offset < 0 else '-'}{abs(offset)}",)
     if time_left_ms < policy.urgent_ms or time_left_ms < policy.urgent_eta_factor * eta_ms:
         rank -= 1
-        reasons.append("deadline urgent +1")
+        reasons += ("deadline urgent +1",)
     ceiling = 0 if requested is Priority.CRITICAL else policy.highest_promoted.rank
-    rank = max(rank, ceiling)
+    if rank < ceiling:
+        rank = ceiling
     if load >= policy.high_load and requested is not Priority.CRITICAL and rank > 0:
         rank += 1
-        reasons.append(f"load {load:.0%} -1")
-    rank = min(max(rank, 0), len(_BANDS) - 1)
-    return PriorityDecision(requested, _BANDS[rank], tuple(reasons))
+        reasons += (f"load {load:.0%} -1",)
+    if not 0 <= rank < _N:
+        rank = min(max(rank, 0), _N - 1)
+    return PriorityDecision(requested, _BANDS[rank], reasons)

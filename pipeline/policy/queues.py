@@ -10,7 +10,7 @@ capacity) says how close the pipeline is to saturation.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from pipeline.models import Priority
 
@@ -24,22 +24,26 @@ class RateMeter:
         self.bucket_ms = bucket_ms
         self.buckets = max(1, window_ms // bucket_ms)
         self._counts: deque[list[int]] = deque()  # [bucket_start, count]
+        self._total = 0  # of the counts (asked for on every admission decision)
         self._first_ms: int | None = None
 
     def add(self, now_ms: int, n: int = 1) -> None:
         start = now_ms - now_ms % self.bucket_ms
         if self._first_ms is None:
             self._first_ms = now_ms
-        if self._counts and self._counts[-1][0] == start:
-            self._counts[-1][1] += n
+        counts = self._counts
+        if counts and counts[-1][0] == start:
+            counts[-1][1] += n
         else:
-            self._counts.append([start, n])
+            counts.append([start, n])
+        self._total += n
         self._trim(now_ms)
 
     def _trim(self, now_ms: int) -> None:
         oldest = now_ms - self.buckets * self.bucket_ms
-        while self._counts and self._counts[0][0] <= oldest:
-            self._counts.popleft()
+        counts = self._counts
+        while counts and counts[0][0] <= oldest:
+            self._total -= counts.popleft()[1]
 
     def rate(self, now_ms: int) -> float:
         self._trim(now_ms)
@@ -47,11 +51,10 @@ class RateMeter:
             return 0.0
         # Over the time actually observed, so a young meter is not diluted by empty history.
         span_ms = min(self.buckets * self.bucket_ms, max(now_ms - self._first_ms, self.bucket_ms))
-        return sum(c for _, c in self._counts) * 1000.0 / span_ms
+        return self._total * 1000.0 / span_ms
 
 
-@dataclass(frozen=True)
-class QueueVerdict:
+class QueueVerdict(NamedTuple):
     full: bool
     position: int  # 1-based: requests ahead of it (this and higher bands) + 1
     eta_ms: float  # estimated wait before a worker starts it

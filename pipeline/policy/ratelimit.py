@@ -5,15 +5,15 @@ minute). A request is admitted only if every applicable limit has room for it, a
 is it counted in all of them: no limit is ever exceeded, whatever the order of arrivals. A
 rejection names the limit and says when that window has room again.
 
-The counts live in a plain mapping ``key → [requests, tokens]`` with string keys, so the Faust
-gateway can keep them in a changelog-backed table (they survive a restart) and benchmarks can
-use a dict.
+The counts live in a plain mapping ``(limit name, who, window start) → [requests, tokens]``, so
+the Faust gateway can keep them in changelog-backed windowed tables (they survive a restart) and
+benchmarks can use a dict.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import MutableMapping
+from typing import MutableMapping, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,7 @@ class WindowLimit:
             raise ValueError(f"limit {self.name}: scope must be 'tenant' or 'tenant_model'")
 
 
-@dataclass(frozen=True)
-class RateDecision:
+class RateDecision(NamedTuple):
     admitted: bool
     limit: str = ""
     #: When the window that refused has room again (0 when admitted).
@@ -52,9 +51,10 @@ def window_start(now_ms: int, window_ms: int) -> int:
     return now_ms - now_ms % window_ms
 
 
-def counter_key(limit: WindowLimit, tenant: str, model: str, start_ms: int) -> str:
+def counter_key(limit: WindowLimit, tenant: str, model: str, start_ms: int) -> tuple[str, str, int]:
+    """(limit name, who, window start); who is the tenant, or ``tenant<US>model``."""
     who = tenant if limit.scope == "tenant" else f"{tenant}\x1f{model}"
-    return f"{limit.name}\x1f{who}\x1f{start_ms}"
+    return limit.name, who, start_ms
 
 
 class RateLimiter:
@@ -79,10 +79,12 @@ class RateLimiter:
         limits = self.limits_for(tenant)
         counted = []  # (key, what it holds now): counted only if every limit has room
         worst: RateDecision | None = None
+        counts = self.counts
         for limit in limits:
-            start = window_start(now_ms, limit.window_ms)
-            key = counter_key(limit, tenant, model, start)
-            used = self.counts.get(key) or (0, 0)
+            window = limit.window_ms
+            start = now_ms - now_ms % window
+            key = (limit.name, tenant if limit.scope == "tenant" else f"{tenant}\x1f{model}", start)
+            used = counts.get(key) or (0, 0)
             over = None
             if limit.requests and used[0] + 1 > limit.requests:
                 over = f"{used[0]}/{limit.requests} requests"
@@ -99,7 +101,6 @@ class RateLimiter:
             counted.append((key, used))
         if worst is not None:
             return worst
-        counts = self.counts
         for key, used in counted:
             counts[key] = [used[0] + 1, used[1] + tokens]
         return ADMIT
@@ -108,8 +109,7 @@ class RateLimiter:
         """Drop counters of windows that have ended; returns how many."""
         longest = {lim.name: lim.window_ms for lims in [self.default_limits, *self.tenant_limits.values()]
                    for lim in lims}
-        dead = [k for k in list(self.counts)
-                if int(k.rsplit("\x1f", 1)[1]) + longest.get(k.split("\x1f", 1)[0], 0) <= now_ms]
+        dead = [k for k in list(self.counts) if k[2] + longest.get(k[0], 0) <= now_ms]
         for k in dead:
             del self.counts[k]
         return len(dead)

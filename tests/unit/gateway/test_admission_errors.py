@@ -54,6 +54,8 @@ def test_a_failing_request_is_dead_lettered_and_the_batch_goes_on(tmp_path, monk
 
     async def run():
         gateway._admit_events(records, acks)
+        assert not acks.acked  # not before the period's table changes are written
+        gateway._end_period()
         gateway._deliveries.close(1)
 
     asyncio.run(run())

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import faust
 
-from pipeline.gateway.app import _Batch, _Counts, _Direct, _Outstanding, _WindowedCounts
+from pipeline.gateway.app import _Batch, _Direct, _Outstanding, _View, _WindowedCounts
 
 
 class RecordingTable:
@@ -33,7 +33,7 @@ def _batch():
 def test_reads_see_the_batch_and_each_key_is_read_and_written_once_with_its_last_partition():
     batch, _ = _batch()
     table = RecordingTable()
-    counts = _Counts(table, batch)
+    counts = _View(table, batch)
     for partition in (1, 2, 3):
         batch.partition = partition
         counts.add("acme")
@@ -41,7 +41,8 @@ def test_reads_see_the_batch_and_each_key_is_read_and_written_once_with_its_last
     assert table.reads == ["acme"]
     batch.flush()
     assert table.writes == [("acme", 3, 3)]  # the changelog partition of the last record that touched it
-    assert batch.dirty == {} and batch.clean == {}
+    assert counts.dirty == {} and counts.values == {}
+    assert counts.get("acme") == 3 and table.reads == ["acme", "acme"]  # the next batch reads it again
 
 
 def test_window_writes_use_the_clock_of_their_decision():
@@ -58,8 +59,9 @@ def test_window_writes_use_the_clock_of_their_decision():
     counts = _WindowedCounts({"per_second": Window()}, batch)
     batch.partition = 4
     gateway._clock_s = 41.5
-    counts["per_second\x1facme\x1f41000"] = [1, 10]
-    assert counts.get("per_second\x1facme\x1f41000") == [1, 10]
+    counts[("per_second", "acme", 41000)] = [1, 10]
+    assert counts.get(("per_second", "acme", 41000)) == [1, 10]
+    assert counts.get(("per_second", "acme", 42000)) is None  # the next window: its own key
     gateway._clock_s = 42.2  # the batch ends in the next second
     batch.flush()
     assert seen_clocks == [("acme", [1, 10], 4, 41.5)]
@@ -68,7 +70,7 @@ def test_window_writes_use_the_clock_of_their_decision():
 
 def test_outstanding_is_admitted_minus_finished_and_never_negative():
     batch, _ = _batch()
-    admitted, finished = _Counts(RecordingTable(), batch), _Counts(RecordingTable(), batch)
+    admitted, finished = _View(RecordingTable(), batch), _View(RecordingTable(), batch)
     out = _Outstanding(admitted, finished)
     batch.partition = 0
     out["acme\x1fNORMAL"] = out["acme\x1fNORMAL"] + 1
