@@ -269,6 +269,7 @@ class Gateway:
         g = self.cfg = settings.gateway
         t = settings.topics
         faust_fixes.FETCH_MAX_WAIT_MS = g.fetch_max_wait_ms
+        faust_fixes.BUSY_FETCH_WAIT_MS = g.busy_fetch_wait_ms
         self.codec = codec_for(settings.serde)
         self._wire = settings.serde.wire_format
         self.metrics = metrics or GatewayMetrics()
