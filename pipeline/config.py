@@ -368,6 +368,11 @@ class GatewaySettings:
     #: (here a 1,000 msg/s stream took 41 % of a core at 1 ms, 30 % at 5 ms): at 1 ms for the
     #: gateway and its clients, end-to-end p99 at 1,000 req/s was 134-209 ms, at 5 ms 69-80 ms.
     producer_linger_ms: int = 5
+    #: The linger of LOW and BACKGROUND dispatches and of the tables' changelog writes, sent
+    #: by a second producer: librdkafka sends one produce request per partition, so a flood of
+    #: bulk work at 5 ms is about a request per message for the broker the urgent bands share.
+    #: 0 = one producer for everything.
+    bulk_linger_ms: int = 50
 
     # -- the policies these settings describe (also validates them, naming the bad key) ---
 
@@ -450,7 +455,8 @@ class GatewaySettings:
             if not 0 < getattr(self, key) <= 10:
                 raise ConfigError(f"gateway.{key}", "must be a fraction of capacity, > 0 (0.8 = 80%)")
         for key in ("urgent_ms", "simple_prompt_tokens", "simple_max_tokens", "default_drain_rate", "dedupe_horizon_ms",
-                    "fetch_max_wait_ms", "busy_fetch_wait_ms", "producer_linger_ms", "state_flush_ms"):
+                    "fetch_max_wait_ms", "busy_fetch_wait_ms", "producer_linger_ms", "bulk_linger_ms",
+                    "state_flush_ms"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"gateway.{key}", f"must be >= 0, got {getattr(self, key)!r}")
         if not 0 <= self.web_port < 65536:

@@ -194,7 +194,7 @@ class _Direct:
         value_bytes = _fast_counter_value(value) if self._fast_values else None
         if value_bytes is None:
             value_bytes = self._faust_value(value)
-        self.gateway._outputs.produce(self.topic_name, value_bytes, encoded, partition=partition)
+        self.gateway._outputs.produce(self.topic_name, value_bytes, encoded, partition=partition, bulk=True)
         if self.window is not None and self.window.expires is not None:
             self.table._maybe_set_key_ttl(full, partition)
 
@@ -294,7 +294,14 @@ class Gateway:
         # offsets are acknowledged. Faust's own producer still writes the tables' changelogs.
         self.out = Producer(settings.kafka.producer_config(**{
             "client.id": f"{app_id}-out", "linger.ms": g.producer_linger_ms}))
-        self._deliveries = Deliveries(self.out)
+        # LOW and BACKGROUND dispatches and the tables' changelogs wait longer to be sent
+        # together: librdkafka sends a produce request per partition, and a flood of bulk work
+        # over 12 dispatch partitions at 5 ms was a request per message for the broker, whose
+        # CPU the urgent bands share.
+        self.bulk_out = Producer(settings.kafka.producer_config(**{
+            "client.id": f"{app_id}-bulk", "linger.ms": g.bulk_linger_ms})) if g.bulk_linger_ms else None
+        self._deliveries = Deliveries(self.out, bulk=self.bulk_out)
+        self._bulk_from = Priority.LOW.rank
         self._outputs: Outputs | None = None
 
         # -- topics --
@@ -488,7 +495,7 @@ class Gateway:
                 return original(partition, key, value, key_serializer, value_serializer)
             k, headers = topic.prepare_key(key, key_serializer or table.key_serializer, None, {})
             v, headers = topic.prepare_value(value, value_serializer or table.value_serializer, None, headers)
-            outputs.produce(name, v, k, headers or None, partition=partition)
+            outputs.produce(name, v, k, headers or None, partition=partition, bulk=True)
             return _Sent(partition)
 
         table.send_changelog = send_changelog
@@ -530,7 +537,8 @@ class Gateway:
                 m.reprioritised.labels(req.priority.value, band.value).inc()
             m.outcome(req.priority.value, "admitted")
             topic = self.dispatch_topics[band]
-            self._produce(topic, self.codec.encode_request(req, self._wire, topic), req.tenant_id.encode())
+            self._outputs.produce(topic, self.codec.encode_request(req, self._wire, topic), req.tenant_id.encode(),
+                                  bulk=band.rank >= self._bulk_from)
             if req.notify_queued:
                 eta = decision.eta_ms
                 self._respond(Response.for_request(

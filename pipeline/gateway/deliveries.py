@@ -21,10 +21,15 @@ log = logging.getLogger(__name__)
 
 
 class Deliveries:
-    """The producer's delivery reports, served from one thread, and the batches waiting on them."""
+    """The producers' delivery reports, served from one thread, and the batches waiting on them.
 
-    def __init__(self, producer: Producer, poll_s: float = 0.05):
+    ``producer`` sends what is urgent; ``bulk`` (if given, else ``producer``) what may wait
+    longer to be sent together (a longer ``linger.ms``: fewer produce requests)."""
+
+    def __init__(self, producer: Producer, poll_s: float = 0.05, bulk: Producer | None = None):
         self.producer = producer
+        self.bulk = bulk or producer
+        self.producers = [producer] if self.bulk is producer else [producer, self.bulk]
         self.poll_s = poll_s
         self.failed: list[str] = []  # "topic: error" of outputs the broker refused
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -42,12 +47,15 @@ class Deliveries:
         return Outputs(self)
 
     def _serve(self) -> None:
+        producers = self.producers
+        wait = self.poll_s / len(producers)
         while not self._stop.is_set():
-            self.producer.poll(self.poll_s)
+            for p in producers:
+                p.poll(wait)
 
     def close(self, timeout: float = 30.0) -> int:
         """Deliver what is queued (reports included), stop the thread; returns what is still queued."""
-        remaining = self.producer.flush(timeout)
+        remaining = sum(p.flush(timeout) for p in self.producers)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -70,9 +78,10 @@ class Outputs:
         self.sealed = False
         self.lock = threading.Lock()
 
-    def produce(self, topic: str, value: bytes, key: bytes | None, headers=None, partition: int | None = None) -> None:
-        """Queue one output."""
-        producer = self.deliveries.producer
+    def produce(self, topic: str, value: bytes, key: bytes | None, headers=None, partition: int | None = None,
+                bulk: bool = False) -> None:
+        """Queue one output (``bulk``: through the producer that waits longer to batch)."""
+        producer = self.deliveries.bulk if bulk else self.deliveries.producer
         self.produced += 1
         on_delivery = self._on_delivery
         extra = {} if partition is None else {"partition": partition}

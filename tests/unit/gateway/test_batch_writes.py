@@ -84,7 +84,8 @@ class RecordingOutputs:
     def __init__(self):
         self.sent = []
 
-    def produce(self, topic, value, key, headers=None, partition=None):
+    def produce(self, topic, value, key, headers=None, partition=None, bulk=False):
+        assert bulk  # changelog records may wait to be sent together
         self.sent.append((topic, key, value, partition))
 
 

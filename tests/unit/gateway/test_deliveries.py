@@ -111,3 +111,28 @@ def test_a_refused_output_keeps_its_batch_unacknowledged_and_is_reported():
         assert acked == [] and deliveries.failed == ["dispatch: MSG_TIMED_OUT"]
 
     _run(body)
+
+
+def test_bulk_outputs_go_through_the_bulk_producer_and_the_batch_waits_for_both():
+    async def main():
+        urgent, bulk = HeldProducer(), HeldProducer()
+        deliveries = Deliveries(urgent, poll_s=0.01, bulk=bulk)
+        try:
+            acked = []
+            outputs = deliveries.batch()
+            outputs.produce("dispatch.critical", b"v", b"k")
+            outputs.produce("dispatch.background", b"v", b"k", bulk=True)
+            outputs.produce("changelog", b"v", b"k", partition=1, bulk=True)
+            outputs.seal(acks(["e"], acked))
+            assert [t for t, _ in urgent.pending] == ["dispatch.critical"]
+            assert [t for t, _ in bulk.pending] == ["dispatch.background", "changelog"]
+            urgent.deliver_all()
+            await asyncio.sleep(0.02)
+            assert acked == []
+            bulk.deliver_all()
+            await asyncio.sleep(0.02)
+            assert acked == ["e"]
+        finally:
+            assert deliveries.close(1) == 0
+
+    asyncio.run(main())
