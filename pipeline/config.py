@@ -368,7 +368,7 @@ class GatewaySettings:
     #: (here a 1,000 msg/s stream took 41 % of a core at 1 ms, 30 % at 5 ms): at 1 ms for the
     #: gateway and its clients, end-to-end p99 at 1,000 req/s was 134-209 ms, at 5 ms 69-80 ms.
     producer_linger_ms: int = 5
-    #: The linger of LOW and BACKGROUND dispatches and of the tables' changelog writes, sent
+    #: The linger of BACKGROUND dispatches and of the tables' changelog writes, sent
     #: by a second producer: librdkafka sends one produce request per partition, so a flood of
     #: bulk work at 5 ms is about a request per message for the broker the urgent bands share.
     #: 0 = one producer for everything.

@@ -294,14 +294,15 @@ class Gateway:
         # offsets are acknowledged. Faust's own producer still writes the tables' changelogs.
         self.out = Producer(settings.kafka.producer_config(**{
             "client.id": f"{app_id}-out", "linger.ms": g.producer_linger_ms}))
-        # LOW and BACKGROUND dispatches and the tables' changelogs wait longer to be sent
-        # together: librdkafka sends a produce request per partition, and a flood of bulk work
-        # over 12 dispatch partitions at 5 ms was a request per message for the broker, whose
-        # CPU the urgent bands share.
+        # BACKGROUND dispatches and the tables' changelogs wait longer to be sent together:
+        # librdkafka sends a produce request per partition, and a flood of bulk work over 12
+        # dispatch partitions at 5 ms was a request per message for the broker, whose CPU the
+        # other bands share. (LOW is where NORMAL requests over their tenant's quota are
+        # demoted to: they keep the short linger.)
         self.bulk_out = Producer(settings.kafka.producer_config(**{
             "client.id": f"{app_id}-bulk", "linger.ms": g.bulk_linger_ms})) if g.bulk_linger_ms else None
         self._deliveries = Deliveries(self.out, bulk=self.bulk_out)
-        self._bulk_from = Priority.LOW.rank
+        self._bulk_from = Priority.BACKGROUND.rank
         self._outputs: Outputs | None = None
 
         # -- topics --
