@@ -13,10 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from confluent_kafka import Producer
+
 from pipeline.client import LlmqClient
 from pipeline.dlq import H_REASON
 from pipeline.models import Priority, Request, Status
 from pipeline.serde import Codec
+from pipeline.testing import produce_request
 from tests.integration.harness import read_topic, running_worker
 
 # A small gateway: a rate limit with a long window (tests run inside one window), tight quotas.
@@ -155,6 +158,50 @@ def test_the_rate_limit_holds_across_a_gateway_restart_in_the_middle_of_its_wind
     assert admitted_before == 12
     assert admitted_after == limit - 12
     assert all(a.reason.startswith("rate_limited") for a in after if a.status is Status.REJECTED)
+
+
+def test_a_gateway_killed_mid_stream_loses_no_request_after_its_restart(dispatch_settings, tmp_path):
+    # The gateway acknowledges a batch's offsets only once its outputs and the tables' changes
+    # behind them are delivered (every state_flush_ms), and faust commits what is acknowledged
+    # every 0.5 s: whatever a SIGKILL cuts off is admitted again by the restarted gateway (at
+    # least once). A re-dispatched id that a worker already took is refused as a duplicate, so
+    # each request still has exactly one COMPLETED answer.
+    s = dispatch_settings
+    codec = Codec.default()
+    reqs = [Request.new(f"tenant-{i % 7}", f"k{i}", timeout_ms=600_000, max_tokens=4) for i in range(600)]
+    ids = {r.request_id for r in reqs}
+    app_id = f"{s.topics.prefix}-gw"
+    producer = Producer(s.kafka.producer_config())
+    with running_worker(s):
+        with running_gateway(s, tmp_path, app_id=app_id) as gateway:
+            for i, r in enumerate(reqs[:400]):
+                produce_request(producer, s, codec, r)
+                if i % 40 == 39:
+                    producer.flush(10)
+                    time.sleep(0.05)
+            producer.flush(10)
+            # Answered means dispatched (to NORMAL, or LOW once the measured load is high).
+            answered_before = len(read_topic(s.kafka.bootstrap, s.topics.responses,
+                                             until=lambda ms: len(ms) >= 100, timeout=30))
+            gateway.kill()
+            gateway.wait(10)
+        with running_gateway(s, tmp_path, app_id=app_id):
+            for r in reqs[400:]:
+                produce_request(producer, s, codec, r)
+            producer.flush(10)
+
+            def all_completed(ms):
+                return ids <= {r.request_id for r in map(codec.decode_response, (m.value() for m in ms))
+                               if r.status is Status.COMPLETED}
+
+            answered = [codec.decode_response(m.value())
+                        for m in read_topic(s.kafka.bootstrap, s.topics.responses, timeout=120, until=all_completed)]
+    completed = collections.Counter(r.request_id for r in answered if r.status is Status.COMPLETED)
+    others = [r for r in answered if r.status is not Status.COMPLETED]
+    print(f"\nkilled after {answered_before} answers; completed {len(completed)} of {len(ids)}, "
+          f"re-dispatched and refused as duplicates {len(others)}")
+    assert set(completed) == ids and all(n == 1 for n in completed.values())
+    assert all(r.status is Status.REJECTED and r.reason.startswith("duplicate_request_id") for r in others)
 
 
 def test_a_client_that_asks_is_told_its_queue_position_and_eta(dispatch_settings, tmp_path):
