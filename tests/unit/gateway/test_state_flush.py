@@ -1,0 +1,122 @@
+"""The gateway gathers its tables' changes for ``state_flush_ms`` and writes each key once; the
+offsets of the batches behind them are acknowledged only after that write is delivered."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from types import SimpleNamespace
+
+from pipeline.config import Settings
+from pipeline.gateway import app as gateway_app
+from pipeline.gateway.app import Gateway
+from pipeline.models import Priority, Request
+from pipeline.serde import Codec
+
+
+class InstantProducer:
+    """librdkafka's producer as the gateway uses it, every output delivered at once."""
+
+    def __init__(self, config):
+        self.linger_ms = config.get("linger.ms")
+        self.sent = []
+
+    def produce(self, topic, value, key=None, headers=None, on_delivery=None, partition=None):
+        self.sent.append((topic, key))
+        on_delivery(None, None)
+
+    def poll(self, timeout=0):
+        return 0
+
+    def flush(self, timeout=0):
+        return 0
+
+
+class FakeAcks:
+    acked = False
+
+    def ack(self):
+        self.acked = True
+
+
+def _gateway(tmp_path, monkeypatch, **gateway_settings):
+    monkeypatch.setattr(gateway_app, "Producer", InstantProducer)
+    settings = Settings.load(env={})
+    for key, value in gateway_settings.items():
+        setattr(settings.gateway, key, value)
+    gateway = Gateway(settings, app_id=f"unit-gw-{tmp_path.name}", web_port=0, datadir=str(tmp_path / "gw"))
+    gateway._depth_loaded = True  # nothing to recover
+    return gateway, settings
+
+
+def _records(settings, tenants, first_offset=0, priority=Priority.NORMAL):
+    codec = Codec.default()
+    topic = settings.topics.request_topic(priority)
+    out = []
+    for i, tenant in enumerate(tenants):
+        req = Request.new(tenant, "hello", priority=priority, timeout_ms=600_000, max_tokens=4)
+        out.append(SimpleNamespace(topic=topic, partition=0, offset=first_offset + i, key=tenant.encode(),
+                                   headers=[], value=codec.encode_request(req, settings.serde.wire_format, topic)))
+    return out
+
+
+def test_changes_of_several_batches_are_written_once_per_key_and_only_then_acknowledged(tmp_path, monkeypatch):
+    gateway, settings = _gateway(tmp_path, monkeypatch, state_flush_ms=60_000)
+    first, second = FakeAcks(), FakeAcks()
+
+    async def run():
+        gateway._admit_events(_records(settings, ["acme", "acme", "zeta"]), first)
+        gateway._admit_events(_records(settings, ["acme"], first_offset=3), second)
+        dispatched = [t for t, _ in gateway.out.sent if t == settings.topics.dispatch_topic(Priority.NORMAL)]
+        assert len(dispatched) == 4  # outputs go out at once
+        assert gateway.bulk_out.sent == []  # the table changes wait for the period's end
+        assert not first.acked and not second.acked
+        assert gateway._admitted.get("acme\x1fNORMAL") == 3  # the period's own view
+        gateway._end_period()
+
+    asyncio.run(run())
+    assert first.acked and second.acked
+    writes = collections.Counter(gateway.bulk_out.sent)
+    assert writes and all(n == 1 for n in writes.values())  # each key once
+    assert gateway._admitted.direct.get("acme\x1fNORMAL") == 3 and gateway._admitted.direct.get("zeta\x1fNORMAL") == 1
+
+
+def test_the_period_ends_on_its_timer_when_nothing_more_arrives(tmp_path, monkeypatch):
+    gateway, settings = _gateway(tmp_path, monkeypatch, state_flush_ms=20)
+    acks = FakeAcks()
+
+    async def run():
+        gateway._admit_events(_records(settings, ["acme"]), acks)
+        assert not acks.acked
+        await asyncio.sleep(0.1)
+
+    asyncio.run(run())
+    assert acks.acked and gateway.bulk_out.sent
+
+
+def test_with_state_flush_ms_zero_every_batch_is_written_and_acknowledged_at_once(tmp_path, monkeypatch):
+    gateway, settings = _gateway(tmp_path, monkeypatch, state_flush_ms=0)
+    acks = FakeAcks()
+
+    async def run():
+        gateway._admit_events(_records(settings, ["acme"]), acks)
+
+    asyncio.run(run())
+    assert acks.acked and gateway.bulk_out.sent
+
+
+def test_background_dispatches_take_the_bulk_producer_and_the_other_bands_the_urgent_one(tmp_path, monkeypatch):
+    gateway, settings = _gateway(tmp_path, monkeypatch, state_flush_ms=60_000, high_load=10.0)
+    assert gateway.out.linger_ms == settings.gateway.producer_linger_ms
+    assert gateway.bulk_out.linger_ms == settings.gateway.bulk_linger_ms
+
+    async def run():
+        for i, band in enumerate((Priority.CRITICAL, Priority.LOW, Priority.BACKGROUND)):
+            gateway._admit_events(_records(settings, ["acme"], first_offset=i, priority=band), FakeAcks())
+
+    asyncio.run(run())
+    urgent = {t for t, _ in gateway.out.sent}
+    bulk = {t for t, _ in gateway.bulk_out.sent}
+    assert {settings.topics.dispatch_topic(Priority.CRITICAL), settings.topics.dispatch_topic(Priority.LOW)} <= urgent
+    assert settings.topics.dispatch_topic(Priority.BACKGROUND) in bulk
+    assert settings.topics.dispatch_topic(Priority.BACKGROUND) not in urgent
