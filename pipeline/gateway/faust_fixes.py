@@ -1,4 +1,4 @@
-"""Three adjustments to faust-streaming 0.15.3, applied once before the gateway app starts.
+"""Adjustments to faust-streaming 0.15.3, applied once before the gateway app starts.
 
 1. **Seek before resume after table recovery.** ``Recovery.on_recovery_completed`` resumes the
    source partitions and only then seeks them to their committed offsets, while the fetcher
@@ -11,10 +11,14 @@
    fetch to a broker while one is in flight). The transport below sets it from the gateway
    settings (``kafka+llmq://`` URLs select it); not much shorter than 100 ms, as every empty
    fetch costs both the gateway and the broker CPU.
-3. **Delivering a fetched message inline.** faust's fetcher wraps each message's delivery to
-   the agents in ``wait_first`` (four tasks per message); the consumer below runs it inline
-   when it does not need to wait, which took the gateway from ~1,000 to ~4,500 admitted/s here
-   and lets agents see a whole fetch at once instead of one message per loop turn.
+3. **Fetching in batches while records keep arriving** (``adapt_fetch_waits``): after a fetch
+   that brought records the next one lets the broker gather for a few milliseconds.
+4. **The gateway's topics handed over in batches** (``_drain_messages``, with
+   :mod:`pipeline.gateway.intake`): the records of a fetch go to the gateway as lists instead of
+   one faust event each; every other topic keeps faust's path.
+5. **Delivering a fetched message inline** on faust's own path: faust's fetcher wraps each
+   message's delivery to the agents in ``wait_first`` (four tasks per message); the consumer
+   below runs it inline when it does not need to wait.
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ def adapt_fetch_waits(fetcher, idle_wait_ms: int, busy_wait_ms: int, busy_min_by
     ``fetch.min.bytes`` 1 the broker answers it as soon as any partition has a record: under a
     steady stream that is a fetch per produced batch, each a request for every assigned
     partition encoded and decoded in Python (at 1,000 req/s a third of the gateway's CPU went to
-    its consumer thread, and as much of the broker's to answering). After a fetch that brought
+    its consumer thread), and each one the broker answers. After a fetch that brought
     records, the next one asks the broker to wait up to ``busy_wait_ms`` for
     ``busy_min_bytes``; after an empty one, the next waits the idle ``idle_wait_ms`` but
     returns with the first record.

@@ -108,3 +108,26 @@ def test_other_topics_take_fausts_own_path_one_message_at_a_time():
     tp = TP("gw-admitted-changelog", 0)
     _fetch(consumer, app, {tp: [_record(tp.topic, 0, o) for o in (0, 1)]})
     assert delivered == [(tp.topic, 0), (tp.topic, 1)]
+
+
+def test_after_a_fetch_with_records_the_next_gathers_and_after_an_empty_one_it_returns_at_once():
+    class Fetcher:
+        _fetch_max_wait_ms, _fetch_min_bytes = 100, 1
+
+        def __init__(self):
+            self.results = []
+
+        async def _proc_fetch_request(self, assignment, node_id, request):
+            return self.results.pop(0)
+
+    fetcher = Fetcher()
+    faust_fixes.adapt_fetch_waits(fetcher, idle_wait_ms=100, busy_wait_ms=10, busy_min_bytes=1 << 20)
+
+    async def fetch(has_data):
+        fetcher.results.append(has_data)
+        return await fetcher._proc_fetch_request(None, 1, None)
+
+    assert asyncio.run(fetch(True)) is True
+    assert (fetcher._fetch_max_wait_ms, fetcher._fetch_min_bytes) == (10, 1 << 20)
+    assert asyncio.run(fetch(False)) is False
+    assert (fetcher._fetch_max_wait_ms, fetcher._fetch_min_bytes) == (100, 1)
