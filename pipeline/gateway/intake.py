@@ -2,10 +2,10 @@
 
 faust hands every fetched message to its agents as an event: a ``ConsumerMessage``, the
 conductor's callback, a channel queue, the stream iterator, an acknowledgement, each with its
-own coroutine frames. That was ~150 µs of the event loop per request here, more than the
-admission decision itself, and the loop is what limits the gateway. For the topics the gateway
+own coroutine frames. Over a backlog that was ~40 % of the gateway's event loop, as much as the
+admission itself, and the loop is what limits the gateway. For the topics the gateway
 registers (the request topics and the response topic), the consumer's fetch loop
-(:class:`pipeline.gateway.faust_fixes.BatchFetchConsumer`) hands each fetch's records to a
+(``_drain_messages`` in :mod:`pipeline.gateway.faust_fixes`) hands each fetch's records to a
 handler instead, a topic at a time in the registered order (CRITICAL first) and at most
 ``max_batch`` records per call.
 
