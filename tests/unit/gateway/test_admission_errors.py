@@ -2,6 +2,7 @@
 the rest of its batch is admitted."""
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 from pipeline.config import Settings
@@ -31,6 +32,7 @@ class NoProducer:
         pass
 
     def poll(self, timeout=0):
+        time.sleep(timeout)  # the delivery thread waits here, as on librdkafka's events
         return 0
 
     def flush(self, timeout=0):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from types import SimpleNamespace
+
+import pytest
 
 from pipeline.config import Settings
 from pipeline.gateway import app as gateway_app
@@ -26,6 +29,7 @@ class InstantProducer:
         on_delivery(None, None)
 
     def poll(self, timeout=0):
+        time.sleep(timeout)  # as librdkafka waits for events: the delivery thread must not spin
         return 0
 
     def flush(self, timeout=0):
@@ -39,14 +43,23 @@ class FakeAcks:
         self.acked = True
 
 
-def _gateway(tmp_path, monkeypatch, **gateway_settings):
-    monkeypatch.setattr(gateway_app, "Producer", InstantProducer)
-    settings = Settings.load(env={})
-    for key, value in gateway_settings.items():
-        setattr(settings.gateway, key, value)
-    gateway = Gateway(settings, app_id=f"unit-gw-{tmp_path.name}", web_port=0, datadir=str(tmp_path / "gw"))
-    gateway._depth_loaded = True  # nothing to recover
-    return gateway, settings
+@pytest.fixture
+def make_gateway(tmp_path, monkeypatch):
+    made = []
+
+    def make(**gateway_settings):
+        monkeypatch.setattr(gateway_app, "Producer", InstantProducer)
+        settings = Settings.load(env={})
+        for key, value in gateway_settings.items():
+            setattr(settings.gateway, key, value)
+        gateway = Gateway(settings, app_id=f"unit-gw-{tmp_path.name}", web_port=0, datadir=str(tmp_path / "gw"))
+        gateway._depth_loaded = True  # nothing to recover
+        made.append(gateway)
+        return gateway, settings
+
+    yield make
+    for gateway in made:
+        gateway._deliveries.close(1)  # stops its delivery thread
 
 
 def _records(settings, tenants, first_offset=0, priority=Priority.NORMAL):
@@ -60,8 +73,8 @@ def _records(settings, tenants, first_offset=0, priority=Priority.NORMAL):
     return out
 
 
-def test_changes_of_several_batches_are_written_once_per_key_and_only_then_acknowledged(tmp_path, monkeypatch):
-    gateway, settings = _gateway(tmp_path, monkeypatch, state_flush_ms=60_000)
+def test_changes_of_several_batches_are_written_once_per_key_and_only_then_acknowledged(make_gateway):
+    gateway, settings = make_gateway(state_flush_ms=60_000)
     first, second = FakeAcks(), FakeAcks()
 
     async def run():
@@ -81,8 +94,8 @@ def test_changes_of_several_batches_are_written_once_per_key_and_only_then_ackno
     assert gateway._admitted.direct.get("acme\x1fNORMAL") == 3 and gateway._admitted.direct.get("zeta\x1fNORMAL") == 1
 
 
-def test_the_period_ends_on_its_timer_when_nothing_more_arrives(tmp_path, monkeypatch):
-    gateway, settings = _gateway(tmp_path, monkeypatch, state_flush_ms=20)
+def test_the_period_ends_on_its_timer_when_nothing_more_arrives(make_gateway):
+    gateway, settings = make_gateway(state_flush_ms=20)
     acks = FakeAcks()
 
     async def run():
@@ -94,8 +107,8 @@ def test_the_period_ends_on_its_timer_when_nothing_more_arrives(tmp_path, monkey
     assert acks.acked and gateway.bulk_out.sent
 
 
-def test_with_state_flush_ms_zero_every_batch_is_written_and_acknowledged_at_once(tmp_path, monkeypatch):
-    gateway, settings = _gateway(tmp_path, monkeypatch, state_flush_ms=0)
+def test_with_state_flush_ms_zero_every_batch_is_written_and_acknowledged_at_once(make_gateway):
+    gateway, settings = make_gateway(state_flush_ms=0)
     acks = FakeAcks()
 
     async def run():
@@ -105,8 +118,8 @@ def test_with_state_flush_ms_zero_every_batch_is_written_and_acknowledged_at_onc
     assert acks.acked and gateway.bulk_out.sent
 
 
-def test_background_dispatches_take_the_bulk_producer_and_the_other_bands_the_urgent_one(tmp_path, monkeypatch):
-    gateway, settings = _gateway(tmp_path, monkeypatch, state_flush_ms=60_000, high_load=10.0)
+def test_background_dispatches_take_the_bulk_producer_and_the_other_bands_the_urgent_one(make_gateway):
+    gateway, settings = make_gateway(state_flush_ms=60_000, high_load=10.0)
     assert gateway.out.linger_ms == settings.gateway.producer_linger_ms
     assert gateway.bulk_out.linger_ms == settings.gateway.bulk_linger_ms
 
