@@ -11,7 +11,7 @@ State lives in Faust tables backed by changelog topics, so it survives a restart
 * ``rate-<limit>``: one tumbling windowed table per configured rate limit, [requests, tokens]
   per tenant (or tenant × model) and window, windows taken from the gateway's clock;
 * ``admitted`` / ``finished``: per tenant and band, requests dispatched and requests whose
-  terminal response came back (read from the response topic by a second agent); the
+  terminal response came back (read back from the response topic); the
   difference is what the fairness quotas and queue depths are computed from;
 * ``seen``: request ids answered recently with the message they came in (one record per
   partition and period, below), so a re-submitted id is answered once while a redelivered
@@ -307,9 +307,8 @@ class Gateway:
 
         # -- topics --
         raw = dict(key_type=bytes, value_type=bytes, value_serializer="raw")
-        # One topic, one agent, one buffer per band: Faust stops fetching a partition whose
-        # buffer is under pressure, so a BACKGROUND flood waits in its own topic instead of
-        # in front of CRITICAL requests in a shared buffer.
+        # One topic per band, served CRITICAL first within every fetch (see intake), so a
+        # BACKGROUND flood waits in its own topic instead of in front of CRITICAL requests.
         self.requests = {p: self.app.topic(t.request_topic(p), **raw) for p in Priority}
         self.responses_in = self.app.topic(t.responses, **raw)
         self.responses_topic = t.responses
@@ -482,7 +481,7 @@ class Gateway:
         """Send ``table``'s changelog records with the batch's other outputs, through librdkafka.
 
         Through Faust's own producer (aiokafka) a changelog record costs a good part of a
-        millisecond of the event loop, and its buffer of 100 fills and stalls the agents; here
+        millisecond of the event loop, and its buffer of 100 fills and stalls the intake; here
         it costs microseconds, and the batch's offsets wait for it like for any other output,
         so a committed offset is never ahead of the table state it produced.
         """

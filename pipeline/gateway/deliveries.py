@@ -103,7 +103,7 @@ class Outputs:
 
     def _on_delivery(self, err, msg) -> None:
         if err is not None:
-            # Never released: the batch's offsets are not committed, and the agent stops.
+            # Never released: the batch's offsets are not committed, and the next batch stops the gateway.
             self.deliveries.failed.append(f"{msg.topic()}: {err}")
             return
         with self.lock:

@@ -57,12 +57,12 @@ class FairnessQuotas:
         for rank in range(band.rank, floor + 1):
             b = _BANDS[rank]
             cap = band_caps[rank] if own is None else self.cap(tenant, b)
-            if not cap or counts.get(f"{tenant}\x1f{b.value}", 0) < cap:
+            if not cap or counts.get(outstanding_key(tenant, b), 0) < cap:
                 return Placement(b, band if b is not band else None)
         return _NOWHERE
 
     def admitted(self, tenant: str, band: Priority) -> None:
-        key = f"{tenant}\x1f{band.value}"  # outstanding_key, inline: once per admitted request
+        key = outstanding_key(tenant, band)
         self.counts[key] = self.counts.get(key, 0) + 1
 
     def finished(self, tenant: str, band: Priority) -> None:
