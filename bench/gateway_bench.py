@@ -9,6 +9,7 @@ the dispatch topic), so they are what a client sees before its request starts.
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import signal
 import statistics
@@ -53,12 +54,15 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def fresh(settings: Settings) -> Settings:
-    """Settings on new topics (a scenario's rounds never see each other's messages)."""
+def fresh(settings: Settings, *, partitions: dict[str, int] | None = None) -> Settings:
+    """Settings on new topics (a scenario's rounds never see each other's messages);
+    ``partitions``: topics.<kind>_partitions other than llmq's defaults."""
     s = Settings.load(env={})
     s.kafka.bootstrap = settings.kafka.bootstrap
     s.topics.prefix = f"gwb{uuid.uuid4().hex[:6]}.llm"
     s.topics.dispatch_partitions = 12
+    for kind, count in (partitions or {}).items():
+        setattr(s.topics, f"{kind}_partitions", count)
     s.worker.source = "dispatch"
     s.worker.group_id = f"{s.topics.prefix}.workers"
     s.worker.metrics_port = 0
@@ -72,9 +76,7 @@ class GatewayProcess:
         cfg = tmp / f"gw-{uuid.uuid4().hex[:6]}.toml"
         cfg.write_text(config)
         self.log = tmp / f"{cfg.stem}.log"
-        env = {**os.environ, "LLMQ_CONFIG": str(cfg), "LLMQ_BOOTSTRAP": settings.kafka.bootstrap,
-               "LLMQ_TOPICS__PREFIX": settings.topics.prefix,
-               "LLMQ_TOPICS__DISPATCH_PARTITIONS": str(settings.topics.dispatch_partitions)}
+        env = {**os.environ, "LLMQ_CONFIG": str(cfg), **_topic_env(settings)}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "gateway",
                                           "--app-id", f"{settings.topics.prefix}-gw"], env=env, stdout=log,
@@ -89,6 +91,38 @@ class GatewayProcess:
         import psutil
 
         return psutil.Process(self.proc.pid).memory_info().rss / 2**20
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _topic_env(settings: Settings) -> dict[str, str]:
+    t = settings.topics
+    return {"LLMQ_BOOTSTRAP": settings.kafka.bootstrap, "LLMQ_TOPICS__PREFIX": t.prefix,
+            "LLMQ_TOPICS__DISPATCH_PARTITIONS": str(t.dispatch_partitions),
+            "LLMQ_TOPICS__REQUEST_PARTITIONS": str(t.request_partitions),
+            "LLMQ_TOPICS__RESPONSE_PARTITIONS": str(t.response_partitions)}
+
+
+class WorkerProcess:
+    """``llmq worker`` on the dispatch topics, as deployed: its own process, so that the load
+    generator and the response reader in the benchmark's process neither share its interpreter
+    lock nor pause it with their garbage collections."""
+
+    def __init__(self, settings: Settings, tmp: Path, *, inflight: int, latency_ms: float = 0):
+        self.log = tmp / f"worker-{uuid.uuid4().hex[:6]}.log"
+        env = {**os.environ, **_topic_env(settings), "LLMQ_WORKER__SOURCE": "dispatch",
+               "LLMQ_WORKER__GROUP_ID": settings.worker.group_id, "LLMQ_WORKER__METRICS_PORT": "0",
+               "LLMQ_WORKER__MAX_INFLIGHT": str(inflight), "LLMQ_WORKER__SIM_LATENCY_MS": str(latency_ms)}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "worker",
+                                          "--worker-id", "bench-e2e"], env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -450,17 +484,26 @@ def tenant_fairness(settings: Settings, args) -> dict:
 def end_to_end_latency(settings: Settings, args) -> dict:
     at_1000 = _latency_at(settings, 1000)
     at_300 = _latency_at(settings, 300)
-    return {**at_1000, "at_300_per_s": at_300}
+    # On one small broker every partition costs: librdkafka sends a produce request per
+    # partition and linger, and every fetch reads each partition of the consumer's session.
+    small = _latency_at(settings, 1000, partitions=SMALL_TOPOLOGY)
+    return {**at_1000, "at_300_per_s": at_300,
+            "small_topology": {"partitions": SMALL_TOPOLOGY, **{k: small[k] for k in (
+                "rate_per_s", "p50_ms", "p99_ms", "admission_p50_ms", "admission_p99_ms", "responses")}}}
 
 
-def _latency_at(settings: Settings, rate: int) -> dict:
+#: A topology sized for one broker at about 1,000 req/s (topics.<kind>_partitions).
+SMALL_TOPOLOGY = {"request": 2, "dispatch": 2, "response": 2}
+
+
+def _latency_at(settings: Settings, rate: int, *, partitions: dict[str, int] | None = None) -> dict:
     seconds = 10
-    s = fresh(settings)
+    s = fresh(settings, partitions=partitions)
     codec = Codec.default()
     with tempfile.TemporaryDirectory() as tmp:
         gw = GatewayProcess(s, GENEROUS.format(extra="high_load = 10\ndegrade_load = 10", rps=10**9, outstanding=0),
                             Path(tmp))
-        workers = ThreadWorkers(s, 1, latency_ms=0, inflight=64)
+        worker = WorkerProcess(s, Path(tmp), inflight=64)
         try:
             tenants = [f"t{i}" for i in range(100)]
             warm_ids = warm_up(s, bands=(Priority.NORMAL,), tenants=tenants)
@@ -472,22 +515,36 @@ def _latency_at(settings: Settings, rate: int) -> dict:
             reader.start()
             sched = ((i / rate, Request.new(tenants[i % 100], f"e{i}", timeout_ms=600_000, max_tokens=4))
                      for i in range(rate * seconds))
-            produce_paced(s, sched)
-            reader.join(seconds + 90)
+            # The load generator and the reader are the instrument: a full collection of this
+            # process's heap would be measured as the pipeline's latency.
+            gc.collect()
+            gc.disable()
+            try:
+                produce_paced(s, sched)
+                reader.join(seconds + 90)
+            finally:
+                gc.enable()
         finally:
-            workers.stop()
+            worker.stop()
             gw.stop()
     # Skip the first second: group joins and the first fetches are not the steady state.
     got = [g for g in got if g[1].request_id not in warm_ids]
     start = min(r.created_at for _, r, _ in got) + 1000
-    lat = sorted(arrived - r.created_at for arrived, r, _ in got if r.created_at >= start)
+    measured = [(arrived, r) for arrived, r, _ in got if r.created_at >= start]
+    lat = sorted(arrived - r.created_at for arrived, r in measured)
+    admission = sorted(r.admitted_at - r.created_at for _, r in measured if r.admitted_at)
+    t = s.topics
     return {"rate_per_s": rate, "p50_ms": lat[len(lat) // 2], "p99_ms": p99(lat), "responses": len(got),
-            "seconds": seconds,
+            "admission_p50_ms": admission[len(admission) // 2], "admission_p99_ms": p99(admission),
+            "seconds": seconds, "partitions": {"request": t.request_partitions, "dispatch": t.dispatch_partitions,
+                                               "response": t.response_partitions},
             "tuning": "gateway: aiokafka fetch_max_wait 100 ms when idle (faust hard-codes 1500), 10 ms / 1 MiB "
                       "while records keep arriving (busy_fetch_wait_ms), each fetch handed over as batches (no "
                       "wait), librdkafka linger 5 ms (BACKGROUND dispatches and changelogs 50 ms), table changes "
-                      "written every 200 ms; worker: fetch.wait.max.ms 50, linger.ms 5, idle poll 5 ms; load "
-                      "producer linger 5 ms (llmq's default); reader fetch.wait.max.ms 5, consume wait 2 ms"}
+                      "written every 200 ms; worker (its own process, llmq worker): fetch.wait.max.ms 50, "
+                      "linger.ms 5, idle poll 5 ms; load producer linger 5 ms (llmq's default); reader "
+                      "fetch.wait.max.ms 5, consume wait 2 ms; the load process's garbage collector off while "
+                      "it measures"}
 
 
 # -- gateway_memory ---------------------------------------------------------------------------
