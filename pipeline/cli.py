@@ -129,6 +129,8 @@ def cmd_gateway(args) -> int:
         settings.gateway.web_port = args.web_port
     if args.app_id:
         settings.gateway.app_id = args.app_id
+    if args.instance_id:
+        settings.gateway.instance_id = args.instance_id
     settings.validate()
     gateway = Gateway(settings)
     log.info("gateway %s admitting from %s.requests.* to %s.dispatch.* (web port %s)", settings.gateway.app_id,
@@ -269,9 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(deploy/llmq.toml documents every key). Workers behind it run with "
                                    "--source dispatch. GET /v1/queue on the web port shows per-band depth, drain "
                                    "rate and ETA; /metrics serves Prometheus metrics. SIGTERM finishes the current "
-                                   "batch, commits and leaves the group.")
+                                   "batch, commits and leaves the group (a static member, --instance-id, stays "
+                                   "in it until gateway.session_timeout_ms, 10 s by default).")
     p.add_argument("--web-port", type=int, help="port for /v1/queue and /metrics (default 6066; 0 = off)")
     p.add_argument("--app-id", help="Faust app id: consumer group and changelog topic prefix (default llmq-gateway)")
+    p.add_argument("--instance-id", help="static group membership (e.g. the pod name): restarted under the same id, "
+                                         "the gateway takes its partitions back at once instead of waiting for its "
+                                         "old session to time out; unique per gateway")
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("submit", help="submit one request and print its response")

@@ -373,6 +373,19 @@ class GatewaySettings:
     #: bulk work at 5 ms is about a request per message for the broker the urgent bands share.
     #: 0 = one producer for everything.
     bulk_linger_ms: int = 50
+    #: How long the group waits for a gateway that stopped heartbeating (crashed, killed, its
+    #: host gone) before its request partitions go to another gateway, or back to it when it
+    #: restarts: admission from those partitions stops for that long. Faust's default is 60 s.
+    #: Heartbeats come from the consumer's own thread (every fifth of this), so a long batch
+    #: on the event loop does not miss them. The broker bounds it with
+    #: group.min/max.session.timeout.ms (6 s to 30 min by default).
+    session_timeout_ms: int = 10_000
+    #: Static group membership (group.instance.id), e.g. the pod name of a StatefulSet: a
+    #: gateway restarted under the same id within session_timeout_ms takes its partitions
+    #: back at once, and no other gateway's move. One that stops for good keeps its partitions
+    #: until the session times out (a static member does not leave the group on SIGTERM), so
+    #: scale-downs wait that long. Empty (the default) = dynamic membership.
+    instance_id: str = ""
 
     # -- the policies these settings describe (also validates them, naming the bad key) ---
 
@@ -461,6 +474,10 @@ class GatewaySettings:
                 raise ConfigError(f"gateway.{key}", f"must be >= 0, got {getattr(self, key)!r}")
         if not 0 <= self.web_port < 65536:
             raise ConfigError("gateway.web_port", f"must be a TCP port or 0 (off), got {self.web_port}")
+        if self.session_timeout_ms < 1_000:
+            raise ConfigError("gateway.session_timeout_ms", f"must be >= 1000, got {self.session_timeout_ms!r}")
+        if self.instance_id and (len(self.instance_id) > 249 or not self.instance_id.isprintable()):
+            raise ConfigError("gateway.instance_id", "must be at most 249 printable characters")
         for small, large in self.downgrade.items():
             if not isinstance(large, str) or not large:
                 raise ConfigError(f"gateway.downgrade.{small}", "must name the smaller model")

@@ -285,6 +285,9 @@ class Gateway:
             topic_partitions=t.request_partitions, topic_replication_factor=t.replication_factor,
             table_standby_replicas=0, producer_linger=g.producer_linger_ms / 1000.0, producer_acks=-1,
             consumer_auto_offset_reset="earliest", broker_commit_interval=0.5,
+            broker_session_timeout=g.session_timeout_ms / 1000.0,
+            broker_heartbeat_interval=g.session_timeout_ms / 5000.0,
+            consumer_group_instance_id=g.instance_id or None,
             web_enabled=bool(port), web_port=port or 6066, web_bind=g.web_host,
             datadir=str(datadir), broker_credentials=credentials)
         self._clock_s = time.time()

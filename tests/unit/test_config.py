@@ -108,6 +108,8 @@ def test_the_example_file_documents_every_gateway_default():
     # Faust's rocksdb store reads only the current event's partition: the gateway's reads would miss.
     ("[gateway]\nstore = 'rocksdb://'", "gateway.store"),
     ("[worker]\nsource = 'topics'", "worker.source"),
+    ("[gateway]\nsession_timeout_ms = 500", "gateway.session_timeout_ms"),
+    ("[gateway]\ninstance_id = \"gw\\t0\"", "gateway.instance_id"),
 ])
 def test_invalid_gateway_settings_are_refused_naming_the_key(tmp_path, toml, key):
     f = tmp_path / "bad.toml"

@@ -42,7 +42,8 @@ BACKGROUND = 0
 
 
 @contextlib.contextmanager
-def running_gateway(settings, tmp_path: Path, *, requests_per_window: int = 1000, app_id: str | None = None):
+def running_gateway(settings, tmp_path: Path, *, requests_per_window: int = 1000, app_id: str | None = None,
+                    env: dict[str, str] | None = None):
     """``llmq gateway`` as a process (as deployed); stopped with SIGTERM on exit."""
     config = tmp_path / "gateway.toml"
     config.write_text(GATEWAY_TOML.format(requests=requests_per_window))
@@ -52,7 +53,7 @@ def running_gateway(settings, tmp_path: Path, *, requests_per_window: int = 1000
            "LLMQ_TOPICS__PREFIX": settings.topics.prefix,
            "LLMQ_TOPICS__REQUEST_PARTITIONS": str(settings.topics.request_partitions),
            "LLMQ_TOPICS__RESPONSE_PARTITIONS": str(settings.topics.response_partitions),
-           "LLMQ_TOPICS__DISPATCH_PARTITIONS": str(settings.topics.dispatch_partitions)}
+           "LLMQ_TOPICS__DISPATCH_PARTITIONS": str(settings.topics.dispatch_partitions), **(env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "gateway",
                                  "--app-id", app_id], env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -202,6 +203,39 @@ def test_a_gateway_killed_mid_stream_loses_no_request_after_its_restart(dispatch
           f"re-dispatched and refused as duplicates {len(others)}")
     assert set(completed) == ids and all(n == 1 for n in completed.values())
     assert all(r.status is Status.REJECTED and r.reason.startswith("duplicate_request_id") for r in others)
+
+
+def test_a_killed_gateway_restarted_under_its_instance_id_admits_again_within_seconds(dispatch_settings, tmp_path):
+    # Static membership: the restarted member takes its partitions back at once instead of
+    # waiting for the killed one's session (30 s here; faust's own default is 60 s) to expire.
+    s = dispatch_settings
+    codec = Codec.default()
+    env = {"LLMQ_GATEWAY__INSTANCE_ID": "gateway-0", "LLMQ_GATEWAY__SESSION_TIMEOUT_MS": "30000"}
+    app_id = f"{s.topics.prefix}-gw"
+    producer = Producer(s.kafka.producer_config())
+    dispatch = s.topics.dispatch_topic(Priority.NORMAL)
+
+    def dispatched(req):
+        def holds(ms):
+            return req.request_id in {codec.decode_request(m.value()).request_id for m in ms}
+        return holds
+
+    before = Request.new("acme", "before the kill", timeout_ms=600_000)
+    with running_gateway(s, tmp_path, app_id=app_id, env=env) as gateway:
+        produce_request(producer, s, codec, before)
+        producer.flush(10)
+        assert dispatched(before)(read_topic(s.kafka.bootstrap, dispatch, until=dispatched(before), timeout=30))
+        gateway.kill()
+        gateway.wait(10)
+    killed = time.monotonic()
+    after = Request.new("acme", "after the restart", timeout_ms=600_000)
+    with running_gateway(s, tmp_path, app_id=app_id, env=env):
+        produce_request(producer, s, codec, after)
+        producer.flush(10)
+        assert dispatched(after)(read_topic(s.kafka.bootstrap, dispatch, until=dispatched(after), timeout=60))
+        took = time.monotonic() - killed
+    print(f"\nkilled gateway back and admitting {took:.1f} s after the kill (session timeout 30 s)")
+    assert took < 20
 
 
 def test_a_client_that_asks_is_told_its_queue_position_and_eta(dispatch_settings, tmp_path):

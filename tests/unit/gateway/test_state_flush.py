@@ -133,3 +133,18 @@ def test_background_dispatches_take_the_bulk_producer_and_the_other_bands_the_ur
     assert {settings.topics.dispatch_topic(Priority.CRITICAL), settings.topics.dispatch_topic(Priority.LOW)} <= urgent
     assert settings.topics.dispatch_topic(Priority.BACKGROUND) in bulk
     assert settings.topics.dispatch_topic(Priority.BACKGROUND) not in urgent
+
+
+def test_the_group_session_and_static_membership_reach_faust(make_gateway):
+    # Faust's own session timeout (60 s) is how long a crashed gateway's partitions would wait.
+    gateway, settings = make_gateway(session_timeout_ms=8_000, instance_id="gateway-0")
+    conf = gateway.app.conf
+    assert conf.broker_session_timeout == 8.0
+    assert conf.broker_heartbeat_interval <= conf.broker_session_timeout / 3
+    assert conf.consumer_group_instance_id == "gateway-0"
+
+
+def test_without_an_instance_id_the_gateway_is_a_dynamic_member(make_gateway):
+    gateway, settings = make_gateway()
+    assert gateway.app.conf.consumer_group_instance_id is None
+    assert gateway.app.conf.broker_session_timeout == settings.gateway.session_timeout_ms / 1000
