@@ -257,6 +257,10 @@ class _Outstanding:
         if value > current:
             self.admitted[key] = admitted + (value - current)
 
+    def add(self, key, n: int = 1) -> None:
+        """One more admitted (what ``self[key] = self[key] + 1`` does, in one read)."""
+        self.admitted.add(key, n)
+
     def __delitem__(self, key):
         pass  # a completion: counted in `finished` by the completions handler
 

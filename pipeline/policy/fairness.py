@@ -63,7 +63,12 @@ class FairnessQuotas:
 
     def admitted(self, tenant: str, band: Priority) -> None:
         key = outstanding_key(tenant, band)
-        self.counts[key] = self.counts.get(key, 0) + 1
+        counts = self.counts
+        add = getattr(counts, "add", None)  # a counting mapping (the gateway's tables) adds in one step
+        if add is not None:
+            add(key)
+        else:
+            counts[key] = counts.get(key, 0) + 1
 
     def finished(self, tenant: str, band: Priority) -> None:
         key = outstanding_key(tenant, band)

@@ -26,8 +26,13 @@ class RateMeter:
         self._counts: deque[list[int]] = deque()  # [bucket_start, count]
         self._total = 0  # of the counts (asked for on every admission decision)
         self._first_ms: int | None = None
+        # The last rate asked for, and at which ms: an admission asks several times a
+        # decision, and thousands of decisions share a millisecond.
+        self._rate_ms: int | None = None
+        self._rate = 0.0
 
     def add(self, now_ms: int, n: int = 1) -> None:
+        self._rate_ms = None
         start = now_ms - now_ms % self.bucket_ms
         if self._first_ms is None:
             self._first_ms = now_ms
@@ -46,12 +51,17 @@ class RateMeter:
             self._total -= counts.popleft()[1]
 
     def rate(self, now_ms: int) -> float:
+        if now_ms == self._rate_ms:
+            return self._rate
         self._trim(now_ms)
         if not self._counts or self._first_ms is None:
-            return 0.0
-        # Over the time actually observed, so a young meter is not diluted by empty history.
-        span_ms = min(self.buckets * self.bucket_ms, max(now_ms - self._first_ms, self.bucket_ms))
-        return self._total * 1000.0 / span_ms
+            rate = 0.0
+        else:
+            # Over the time actually observed, so a young meter is not diluted by empty history.
+            span_ms = min(self.buckets * self.bucket_ms, max(now_ms - self._first_ms, self.bucket_ms))
+            rate = self._total * 1000.0 / span_ms
+        self._rate_ms, self._rate = now_ms, rate
+        return rate
 
 
 class QueueVerdict(NamedTuple):

@@ -80,6 +80,21 @@ def test_outstanding_is_admitted_minus_finished_and_never_negative():
     assert admitted.get("acme\x1fNORMAL") == 2
 
 
+def test_adding_to_outstanding_counts_one_more_admitted_even_after_more_finished_than_seen():
+    # After a restart the completions table can be ahead of the admissions it has replayed:
+    # one more admission is still one more admitted, as ``out[key] = out[key] + 1`` counts it.
+    batch, _ = _batch()
+    admitted, finished = _View(RecordingTable(), batch), _View(RecordingTable(), batch)
+    out = _Outstanding(admitted, finished)
+    batch.partition = 0
+    finished["acme\x1fNORMAL"] = 3
+    out.add("acme\x1fNORMAL")
+    out["beta\x1fNORMAL"] = out["beta\x1fNORMAL"] + 1
+    out.add("beta\x1fNORMAL")
+    assert admitted.get("acme\x1fNORMAL") == 1 and out["acme\x1fNORMAL"] == 0
+    assert admitted.get("beta\x1fNORMAL") == 2 and out["beta\x1fNORMAL"] == 2
+
+
 class RecordingOutputs:
     def __init__(self):
         self.sent = []

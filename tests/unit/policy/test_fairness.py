@@ -56,3 +56,25 @@ def test_a_request_below_the_floor_is_not_moved_up_to_it():
     for _ in range(3):
         q.admitted("a", Priority.BACKGROUND)
     assert q.place("a", Priority.BACKGROUND).band is None
+
+
+class CountingMapping(dict):
+    """A mapping that counts in one step, as the gateway's table view does."""
+
+    def __init__(self):
+        super().__init__()
+        self.adds = 0
+
+    def add(self, key, n=1):
+        self.adds += 1
+        self[key] = self.get(key, 0) + n
+
+
+def test_a_counting_mapping_is_added_to_in_one_step_with_the_same_result():
+    counted, plain = CountingMapping(), {}
+    for counts in (counted, plain):
+        q = FairnessQuotas(CAPS, floor=Priority.LOW, counts=counts)
+        q.admitted("a", Priority.NORMAL)
+        q.admitted("a", Priority.NORMAL)
+        assert q.place("a", Priority.NORMAL).band is Priority.LOW
+    assert counted == plain and counted.adds == 2

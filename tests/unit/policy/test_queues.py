@@ -18,6 +18,15 @@ def test_rate_meter_counts_events_per_second_over_its_window():
     assert m.rate(30_000) == 0.0
 
 
+def test_a_rate_asked_for_again_in_the_same_millisecond_still_counts_what_was_added_in_it():
+    m = RateMeter(window_ms=10_000)
+    m.add(500)
+    first = m.rate(1_000)
+    assert first > 0
+    m.add(1_000, 9)
+    assert m.rate(1_000) == pytest.approx(first * 10)
+
+
 def test_a_young_meter_is_not_diluted_by_history_it_never_saw():
     m = RateMeter(window_ms=10_000)
     for t in range(0, 2_000, 10):
