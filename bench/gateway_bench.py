@@ -93,12 +93,17 @@ class GatewayProcess:
         return psutil.Process(self.proc.pid).memory_info().rss / 2**20
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        _terminate(self.proc)
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM (a graceful stop: the batch in hand finished, offsets committed), SIGKILL after 60 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _topic_env(settings: Settings) -> dict[str, str]:
@@ -125,12 +130,7 @@ class WorkerProcess:
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        _terminate(self.proc)
 
 
 class ThreadWorkers:
