@@ -36,3 +36,30 @@ def test_compose_services_use_the_llmq_commands_that_exist():
         command = compose["services"][name]["command"]
         assert command[0] == "llmq"
         parser.parse_args(command[1:])
+
+
+def test_the_k8s_gateway_is_a_static_member_named_after_its_pod():
+    from pipeline.cli import build_parser
+
+    docs = {d["kind"]: d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "gateway.yaml").read_text())}
+    sts, service = docs["StatefulSet"], docs["Service"]
+    pod = sts["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    # A pod's name survives its restarts in a StatefulSet: as the instance id it makes the
+    # restarted gateway the same group member, which takes its partitions back at once.
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    command = container["command"]
+    assert command[0] == "llmq"
+    args = build_parser().parse_args(command[1:])
+    assert args.func.__name__ == "cmd_gateway" and args.instance_id == "$(POD_NAME)"
+    settings = Settings.load(env={k: e["value"] for k, e in env.items() if k.startswith("LLMQ_")})
+    settings.validate()
+    assert settings.gateway.session_timeout_ms == int(env["LLMQ_GATEWAY__SESSION_TIMEOUT_MS"]["value"])
+    port = {p["name"]: p["containerPort"] for p in container["ports"]}["web"]
+    assert port == settings.gateway.web_port and settings.gateway.web_host == "0.0.0.0"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v1/queue"
+    # More gateways than request partitions per band would get none to admit from.
+    assert sts["spec"]["replicas"] <= settings.topics.request_partitions
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert sts["spec"]["selector"]["matchLabels"] == pod["metadata"]["labels"]
