@@ -27,7 +27,7 @@ class RateMeter:
         self._total = 0  # of the counts (asked for on every admission decision)
         self._first_ms: int | None = None
         # The last rate asked for, and at which ms: an admission asks several times a
-        # decision, and thousands of decisions share a millisecond.
+        # decision, and at thousands a second many decisions share a millisecond.
         self._rate_ms: int | None = None
         self._rate = 0.0
 
