@@ -308,7 +308,8 @@ class Gateway:
         # demoted to: they keep the short linger.)
         self.bulk_out = Producer(settings.kafka.producer_config(**{
             "client.id": f"{app_id}-bulk", "linger.ms": g.bulk_linger_ms})) if g.bulk_linger_ms else None
-        self._deliveries = Deliveries(self.out, bulk=self.bulk_out)
+        self._deliveries = Deliveries(self.out, bulk=self.bulk_out, on_failure=self._outputs_failed)
+        self._stopping_on_failed_outputs = False
         self._bulk_from = Priority.BACKGROUND.rank
         self._outputs: Outputs | None = None
 
@@ -409,11 +410,7 @@ class Gateway:
 
     def _admit_events(self, records: list, acks: Acks) -> None:
         if self._deliveries.failed:
-            # The broker refused an output after librdkafka's retries: stop, so that a restart
-            # redoes everything from the last commit, which is before that output's batch.
-            exc = LlmqError(f"gateway outputs not delivered: {self._deliveries.failed[:3]}")
-            asyncio.ensure_future(self.app.crash(exc))
-            raise exc
+            raise self._outputs_failed()
         if not self._depth_loaded:
             self._load_state()
         tables = self._tables
@@ -427,6 +424,16 @@ class Gateway:
                 log.exception("admitting %s[%d]@%d failed", msg.topic, msg.partition, msg.offset)
                 self._dead_letter(msg, "gateway_error", f"{type(exc).__name__}: {exc}")
         self._end_batch(acks)
+
+    def _outputs_failed(self) -> LlmqError:
+        """The broker refused an output after librdkafka's retries: stop, so that a restart
+        redoes everything from the last commit, which is before that output's batch."""
+        exc = LlmqError(f"gateway outputs not delivered: {self._deliveries.failed[:3]}")
+        if not self._stopping_on_failed_outputs:
+            self._stopping_on_failed_outputs = True
+            log.error("%s; stopping: a restart admits again from the last commit", exc)
+            asyncio.ensure_future(self.app.crash(exc))
+        return exc
 
     def _complete_events(self, records: list, acks: Acks) -> None:
         now = _now_ms()

@@ -26,12 +26,18 @@ class Deliveries:
     ``producer`` sends what is urgent; ``bulk`` (if given, else ``producer``) what may wait
     longer to be sent together (a longer ``linger.ms``: fewer produce requests)."""
 
-    def __init__(self, producer: Producer, poll_s: float = 0.05, bulk: Producer | None = None):
+    def __init__(self, producer: Producer, poll_s: float = 0.05, bulk: Producer | None = None,
+                 on_failure=None):
         self.producer = producer
         self.bulk = bulk or producer
         self.producers = [producer] if self.bulk is producer else [producer, self.bulk]
         self.poll_s = poll_s
         self.failed: list[str] = []  # "topic: error" of outputs the broker refused
+        #: Called in the event loop, once, when the first output is refused: its batch can never
+        #: be acknowledged, so nothing after it would be committed either, whether more
+        #: batches come or not.
+        self.on_failure = on_failure
+        self.failure_reported = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_thread: int | None = None  # acknowledgements are made on the loop's thread
         self._stop = threading.Event()
@@ -103,8 +109,17 @@ class Outputs:
 
     def _on_delivery(self, err, msg) -> None:
         if err is not None:
-            # Never released: the batch's offsets are not committed, and the next batch stops the gateway.
-            self.deliveries.failed.append(f"{msg.topic()}: {err}")
+            # Never released: the batch's offsets are not committed, and the gateway stops.
+            deliveries = self.deliveries
+            deliveries.failed.append(f"{msg.topic()}: {err}")
+            # Reports come from the delivery thread, or from the loop's thread while a full queue
+            # is polled: both may see the first failure, none may miss it (on_failure copes with two).
+            reported, deliveries.failure_reported = deliveries.failure_reported, True
+            if not reported and deliveries.on_failure is not None:
+                if threading.get_ident() == deliveries.loop_thread:
+                    deliveries.on_failure()
+                else:
+                    deliveries.loop.call_soon_threadsafe(deliveries.on_failure)
             return
         with self.lock:
             self.delivered += 1

@@ -113,6 +113,33 @@ def test_a_refused_output_keeps_its_batch_unacknowledged_and_is_reported():
     _run(body)
 
 
+def test_the_first_refused_output_is_reported_in_the_event_loop_without_another_batch():
+    # Its batch is never acknowledged, so nothing after it is committed either: the gateway
+    # must stop and be restarted even if no request ever comes again.
+    async def main():
+        producer = HeldProducer()
+        reports = []
+        loop_thread = threading.get_ident()
+        deliveries = Deliveries(producer, poll_s=0.01,
+                                on_failure=lambda: reports.append(threading.get_ident() == loop_thread))
+        try:
+            outputs = deliveries.batch()
+            outputs.produce("dispatch", b"v", b"k")
+            outputs.produce("dispatch", b"v", b"k")
+            outputs.seal(lambda: None)
+            threading.Thread(target=producer.deliver_all, kwargs={"error": "MSG_TIMED_OUT"}).start()
+            for _ in range(100):
+                if reports:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            assert reports == [True] and len(deliveries.failed) == 2
+        finally:
+            deliveries.close(1)
+
+    asyncio.run(main())
+
+
 def test_bulk_outputs_go_through_the_bulk_producer_and_the_batch_waits_for_both():
     async def main():
         urgent, bulk = HeldProducer(), HeldProducer()

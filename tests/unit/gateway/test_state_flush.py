@@ -148,3 +148,30 @@ def test_without_an_instance_id_the_gateway_is_a_dynamic_member(make_gateway):
     gateway, settings = make_gateway()
     assert gateway.app.conf.consumer_group_instance_id is None
     assert gateway.app.conf.broker_session_timeout == settings.gateway.session_timeout_ms / 1000
+
+
+def test_a_refused_dispatch_stops_the_gateway_once_without_waiting_for_another_batch(make_gateway, monkeypatch):
+    gateway, settings = make_gateway(state_flush_ms=0)
+    crashes = []
+
+    async def crash(exc):
+        crashes.append(str(exc))
+
+    monkeypatch.setattr(gateway.app, "crash", crash)
+
+    def refuse(topic, value, key=None, headers=None, on_delivery=None, partition=None):
+        on_delivery("MSG_SIZE_TOO_LARGE", SimpleNamespace(topic=lambda: topic))
+
+    async def run():
+        gateway.out.produce = refuse
+        acks = FakeAcks()
+        gateway._admit_events(_records(settings, ["acme", "zeta"]), acks)
+        await asyncio.sleep(0.05)
+        assert not acks.acked  # never committed past: a restart admits these again
+        assert len(crashes) == 1 and "gateway outputs not delivered" in crashes[0]
+        with pytest.raises(Exception, match="not delivered"):
+            gateway._admit_events(_records(settings, ["acme"], first_offset=2), FakeAcks())
+        await asyncio.sleep(0.05)
+        assert len(crashes) == 1
+
+    asyncio.run(run())
