@@ -119,7 +119,11 @@ class Outputs:
                 if threading.get_ident() == deliveries.loop_thread:
                     deliveries.on_failure()
                 else:
-                    deliveries.loop.call_soon_threadsafe(deliveries.on_failure)
+                    try:
+                        deliveries.loop.call_soon_threadsafe(deliveries.on_failure)
+                    except RuntimeError:  # the loop is closed: shutting down, close() reports it
+                        log.error("gateway output not delivered after the event loop closed: %s",
+                                  deliveries.failed[-1])
             return
         with self.lock:
             self.delivered += 1

@@ -163,3 +163,27 @@ def test_bulk_outputs_go_through_the_bulk_producer_and_the_batch_waits_for_both(
             assert deliveries.close(1) == 0
 
     asyncio.run(main())
+
+
+def test_a_refusal_reported_after_the_event_loop_closed_is_logged_not_raised(caplog):
+    producer = HeldProducer()
+    deliveries = Deliveries(producer, poll_s=0.01, on_failure=lambda: None)
+
+    async def one_output():
+        deliveries.batch().produce("dispatch", b"v", b"k")
+
+    asyncio.run(one_output())  # closes its loop, as a stopped gateway's is
+    raised = []
+
+    def report():
+        try:
+            producer.deliver_all(error="_PURGE_QUEUE")
+        except Exception as exc:  # noqa: BLE001
+            raised.append(exc)
+
+    reporter = threading.Thread(target=report)
+    reporter.start()
+    reporter.join(5)
+    deliveries.close(1)
+    assert raised == [] and deliveries.failed == ["dispatch: _PURGE_QUEUE"]
+    assert "after the event loop closed" in caplog.text
