@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 
 _SEP = "\x1f"
 _BAND_BY_NAME = {p.value: p for p in Priority}
+_DEPTH_KEY_PREFIX = {p: f"{p.value}{_SEP}p" for p in Priority}  # + the request's partition
 
 
 class _Batch:
@@ -231,6 +232,10 @@ class _WindowedCounts:
 
     def __setitem__(self, key, value):
         self.views[key[0]][key] = value
+
+    def for_limit(self, name: str) -> "_View":
+        """The counts of one limit (the rate limiter looks them up once)."""
+        return self.views[name]
 
 
 def _who(key: tuple) -> str:
@@ -541,7 +546,7 @@ class Gateway:
         decision = self.admission.decide(req, now, cancelled=cancelled)
         band = decision.band or req.priority
         if decision.action is Action.DISPATCH:
-            self._admitted.add(f"{band.value}{_SEP}p{msg.partition}")
+            self._admitted.add(_DEPTH_KEY_PREFIX[band] + str(msg.partition))
             req.admitted_at = now
             req.effective_priority = band
             if decision.degraded_from is not None:

@@ -90,20 +90,19 @@ class Admission:
             return Decision(Action.REJECT, problem)
         if cancelled:
             return Decision(Action.CANCEL, "cancelled: cancelled by the client before dispatch")
-        deadline = self.deadline_ms(req)
-        left = deadline - now_ms
+        left = self.deadline_ms(req) - now_ms
         if left <= 0:
             return Decision(Action.EXPIRE, f"expired: deadline passed {-left} ms before admission")
 
         queues = self.queues
-        load = queues.load(now_ms)
-        eta = queues.eta_ms(req.priority.rank, now_ms)
+        rate, load = queues.outlook(now_ms)
+        eta = queues.eta_ms(req.priority.rank, now_ms, rate)
         wanted = effective_priority(req.priority, req.user_tier, left, eta if eta < _UNKNOWN else 0.0, load,
                                     self.priority)
-        notes = list(wanted.reasons)
+        notes = wanted.reasons
         placement = self.quotas.place(req.tenant_id, wanted.effective)
         if placement.band is None:
-            verdict = queues.check(wanted.effective.rank, now_ms)
+            verdict = queues.check(wanted.effective.rank, now_ms, rate)
             # Room comes back as the tenant's requests finish: about the band's ETA.
             retry = max(verdict.retry_after_ms, int(min(verdict.eta_ms, 60_000)), 100)
             cap = self.quotas.cap(req.tenant_id, wanted.effective)
@@ -112,8 +111,8 @@ class Admission:
                             retry_after_ms=retry, band=wanted.effective)
         band = placement.band
         if placement.demoted_from is not None:
-            notes.append(f"quota: demoted from {placement.demoted_from.value}")
-        verdict = queues.check(band.rank, now_ms)
+            notes += (f"quota: demoted from {placement.demoted_from.value}",)
+        verdict = queues.check(band.rank, now_ms, rate)
         if verdict.full:
             return Decision(Action.REJECT, f"queue_full: band {band.value} holds {queues.depth[band.rank]} requests "
                                            f"(cap {queues.caps[band.rank]})",
@@ -129,17 +128,17 @@ class Admission:
         if (d.downgrade and req.allow_degrade and load >= d.load and req.model in d.downgrade
                 and prompt_tokens <= d.simple_prompt_tokens and req.max_tokens <= d.simple_max_tokens):
             model, degraded_from = d.downgrade[req.model], req.model
-            notes.append(f"degraded {req.model} -> {model} at load {load:.0%}")
+            notes += (f"degraded {req.model} -> {model} at load {load:.0%}",)
 
-        rate = self.limiter.admit(req.tenant_id, model, prompt_tokens + req.max_tokens, now_ms)
-        if not rate.admitted:
-            return Decision(Action.REJECT, f"rate_limited: limit {rate.limit}: {rate.detail}",
-                            retry_after_ms=rate.retry_after_ms or None, band=band)
+        limited = self.limiter.admit(req.tenant_id, model, prompt_tokens + req.max_tokens, now_ms)
+        if not limited.admitted:
+            return Decision(Action.REJECT, f"rate_limited: limit {limited.limit}: {limited.detail}",
+                            retry_after_ms=limited.retry_after_ms or None, band=band)
 
         self.quotas.admitted(req.tenant_id, band)
         queues.admitted(band.rank, now_ms)
         return Decision(Action.DISPATCH, band=band, model=model, degraded_from=degraded_from,
-                        position=verdict.position, eta_ms=verdict.eta_ms, notes=tuple(notes))
+                        position=verdict.position, eta_ms=verdict.eta_ms, notes=notes)
 
     def finished(self, tenant: str, band: Priority, now_ms: int) -> None:
         """A dispatched request reached its terminal response."""

@@ -22,10 +22,12 @@ class Placement(NamedTuple):
 
 
 _NOWHERE = Placement(None)
+_STAY = {b: Placement(b) for b in _BANDS}
+_KEY_SUFFIX = {b: f"\x1f{b.value}" for b in _BANDS}
 
 
 def outstanding_key(tenant: str, band: Priority) -> str:
-    return f"{tenant}\x1f{band.value}"
+    return tenant + _KEY_SUFFIX[band]
 
 
 class FairnessQuotas:
@@ -60,7 +62,7 @@ class FairnessQuotas:
             b = _BANDS[rank]
             cap = band_caps[rank] if own is None else self.cap(tenant, b)
             if not cap or counts.get(outstanding_key(tenant, b), 0) < cap:
-                return Placement(b, band if b is not band else None)
+                return _STAY[b] if b is band else Placement(b, band)
         return _NOWHERE
 
     def admitted(self, tenant: str, band: Priority) -> None:

@@ -37,6 +37,10 @@ class PriorityDecision(NamedTuple):
     reasons: tuple[str, ...]
 
 
+# Most decisions move nothing: one shared answer per band.
+_UNMOVED = tuple(PriorityDecision(b, b, ()) for b in _BANDS)
+
+
 def effective_priority(requested: Priority, user_tier: str, time_left_ms: int, eta_ms: float, load: float,
                        policy: PriorityPolicy) -> PriorityDecision:
     """The band to dispatch to, and why it differs from ``requested`` (if it does)."""
@@ -57,4 +61,6 @@ def effective_priority(requested: Priority, user_tier: str, time_left_ms: int, e
         reasons += (f"load {load:.0%} -1",)
     if not 0 <= rank < _N:
         rank = min(max(rank, 0), _N - 1)
+    if not reasons and rank == requested.rank:
+        return _UNMOVED[rank]
     return PriorityDecision(requested, _BANDS[rank], reasons)

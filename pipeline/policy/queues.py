@@ -30,13 +30,21 @@ class RateMeter:
         # decision, and at thousands a second many decisions share a millisecond.
         self._rate_ms: int | None = None
         self._rate = 0.0
+        self._span_ms = 1
 
     def add(self, now_ms: int, n: int = 1) -> None:
-        self._rate_ms = None
+        counts = self._counts
         start = now_ms - now_ms % self.bucket_ms
+        if now_ms == self._rate_ms and counts and counts[-1][0] == start:
+            # In the millisecond of the last rate, into its newest bucket: nothing ages out and
+            # the span is the same, so the rate is kept up to date instead of recomputed.
+            counts[-1][1] += n
+            self._total += n
+            self._rate = self._total * 1000.0 / self._span_ms
+            return
+        self._rate_ms = None
         if self._first_ms is None:
             self._first_ms = now_ms
-        counts = self._counts
         if counts and counts[-1][0] == start:
             counts[-1][1] += n
         else:
@@ -58,7 +66,7 @@ class RateMeter:
             rate = 0.0
         else:
             # Over the time actually observed, so a young meter is not diluted by empty history.
-            span_ms = min(self.buckets * self.bucket_ms, max(now_ms - self._first_ms, self.bucket_ms))
+            span_ms = self._span_ms = min(self.buckets * self.bucket_ms, max(now_ms - self._first_ms, self.bucket_ms))
             rate = self._total * 1000.0 / span_ms
         self._rate_ms, self._rate = now_ms, rate
         return rate
@@ -111,33 +119,45 @@ class QueueModel:
 
     def load(self, now_ms: int) -> float:
         """Arrival rate over measured capacity (0 before any capacity was measured)."""
-        cap = self.capacity(now_ms)
-        return self._arrivals.rate(now_ms) / cap if cap > 0 else 0.0
+        return self.outlook(now_ms)[1]
+
+    def outlook(self, now_ms: int) -> tuple[float, float]:
+        """``(drain_rate, load)`` at ``now_ms``: what an admission decision reads, once."""
+        rate = self._drain.rate(now_ms)
+        if rate > self._capacity:
+            self._capacity = rate
+        cap = self._capacity or self.default_rate
+        return rate or self.default_rate, (self._arrivals.rate(now_ms) / cap if cap > 0 else 0.0)
 
     def ahead(self, rank: int) -> int:
         """Requests a new one in band ``rank`` waits behind: its own band and every higher one."""
         return sum(self.depth[: rank + 1])
 
-    def eta_ms(self, rank: int, now_ms: int) -> float:
-        rate = self.drain_rate(now_ms)
-        ahead = self.ahead(rank)
+    def eta_ms(self, rank: int, now_ms: int, rate: float | None = None) -> float:
+        """``rate``: the drain rate at ``now_ms``, if the caller has it already."""
+        if rate is None:
+            rate = self.drain_rate(now_ms)
+        ahead = sum(self.depth[: rank + 1])
         if ahead == 0:
             return 0.0
         return ahead * 1000.0 / rate if rate > 0 else float("inf")
 
-    def check(self, rank: int, now_ms: int) -> QueueVerdict:
-        """Whether band ``rank`` has room for one more, and where it would stand."""
-        eta = self.eta_ms(rank, now_ms)
-        position = self.ahead(rank) + 1
-        cap = self.caps[rank]
-        if cap and self.depth[rank] >= cap:
+    def check(self, rank: int, now_ms: int, rate: float | None = None) -> QueueVerdict:
+        """Whether band ``rank`` has room for one more, and where it would stand (``rate``:
+        the drain rate at ``now_ms``, if the caller has it already)."""
+        if rate is None:
             rate = self.drain_rate(now_ms)
+        depth = self.depth
+        ahead = sum(depth[: rank + 1])
+        eta = 0.0 if ahead == 0 else ahead * 1000.0 / rate if rate > 0 else float("inf")
+        cap = self.caps[rank]
+        if cap and depth[rank] >= cap:
             # Until the band has drained below its cap at the current rate.
-            excess = self.depth[rank] - cap + 1
+            excess = depth[rank] - cap + 1
             retry = excess * 1000.0 / rate if rate > 0 else self.max_retry_ms
             retry_ms = int(min(max(retry, self.min_retry_ms), self.max_retry_ms))
-            return QueueVerdict(True, position, eta, retry_ms)
-        return QueueVerdict(False, position, eta)
+            return QueueVerdict(True, ahead + 1, eta, retry_ms)
+        return QueueVerdict(False, ahead + 1, eta)
 
     def snapshot(self, now_ms: int) -> dict:
         """What ``GET /v1/queue`` shows."""

@@ -70,17 +70,25 @@ class RateLimiter:
         self.default_limits = list(default_limits)
         self.tenant_limits = dict(tenant_limits or {})
         self.counts: MutableMapping[str, list[int]] = {} if counts is None else counts
+        # A mapping that keeps each limit's counts apart (the gateway's tables) hands out the
+        # part of one limit (``for_limit(name)``): one lookup fewer per limit and decision.
+        self._counts_of: dict[str, MutableMapping] = {}
 
     def limits_for(self, tenant: str) -> list[WindowLimit]:
         return self.tenant_limits.get(tenant, self.default_limits)
 
     def admit(self, tenant: str, model: str, tokens: int, now_ms: int) -> RateDecision:
         """Admit and count, or refuse (counting nothing) with the limit and its retry-after."""
-        limits = self.limits_for(tenant)
-        counted = []  # (key, what it holds now): counted only if every limit has room
+        limits = self.tenant_limits.get(tenant, self.default_limits)
+        counted = []  # (counts, key, what it holds now): counted only if every limit has room
         worst: RateDecision | None = None
-        counts = self.counts
+        counts_of = self._counts_of
         for limit in limits:
+            try:
+                counts = counts_of[limit.name]
+            except KeyError:
+                for_limit = getattr(self.counts, "for_limit", None)
+                counts = counts_of[limit.name] = self.counts if for_limit is None else for_limit(limit.name)
             window = limit.window_ms
             start = now_ms - now_ms % window
             key = (limit.name, tenant if limit.scope == "tenant" else f"{tenant}\x1f{model}", start)
@@ -98,10 +106,10 @@ class RateLimiter:
                 retry = start + limit.window_ms - now_ms
                 if worst is None or retry > worst.retry_after_ms:
                     worst = RateDecision(False, limit.name, retry, f"{over} in the {limit.window_ms} ms window")
-            counted.append((key, used))
+            counted.append((counts, key, used))
         if worst is not None:
             return worst
-        for key, used in counted:
+        for counts, key, used in counted:
             counts[key] = [used[0] + 1, used[1] + tokens]
         return ADMIT
 
