@@ -55,7 +55,7 @@ from pipeline.gateway.intake import Acks, BatchIntake
 from pipeline.models import Priority, Response, Status
 from pipeline.observability.metrics import GatewayMetrics, reason_code
 from pipeline.policy.admission import Action, Admission, DegradePolicy
-from pipeline.policy.fairness import FairnessQuotas
+from pipeline.policy.fairness import FairnessQuotas, outstanding_key
 from pipeline.policy.queues import QueueModel
 from pipeline.policy.ratelimit import RateLimiter
 from pipeline.runtime import freeze_long_lived
@@ -67,6 +67,10 @@ log = logging.getLogger(__name__)
 _SEP = "\x1f"
 _BAND_BY_NAME = {p.value: p for p in Priority}
 _DEPTH_KEY_PREFIX = {p: f"{p.value}{_SEP}p" for p in Priority}  # + the request's partition
+_STATUS_LABEL = {s: s.value.lower() for s in Status}
+# Read per request: an enum member from its class, and an enum's ``value`` property, cost a
+# lookup every time (``_value_`` is the member's plain attribute).
+_DISPATCH = Action.DISPATCH
 
 
 class _Batch:
@@ -545,7 +549,7 @@ class Gateway:
         cancelled = self.cancellations is not None and self.cancellations.reason(req.request_id) is not None
         decision = self.admission.decide(req, now, cancelled=cancelled)
         band = decision.band or req.priority
-        if decision.action is Action.DISPATCH:
+        if decision.action is _DISPATCH:
             self._admitted.add(_DEPTH_KEY_PREFIX[band] + str(msg.partition))
             req.admitted_at = now
             req.effective_priority = band
@@ -554,7 +558,7 @@ class Gateway:
                 m.degraded.labels(req.priority.value).inc()
             if band is not req.priority:
                 m.reprioritised.labels(req.priority.value, band.value).inc()
-            m.outcome(req.priority.value, "admitted")
+            m.outcome(req.priority._value_, "admitted")
             topic = self.dispatch_topics[band]
             self._outputs.produce(topic, self.codec.encode_request(req, self._wire, topic), req.tenant_id.encode(),
                                   bulk=band.rank >= self._bulk_from)
@@ -620,10 +624,10 @@ class Gateway:
         if not resp.status.is_terminal or resp.admitted_at is None or resp.served_priority is None:
             return  # progress events, and answers to requests the gateway never dispatched
         band = resp.served_priority
-        self._finished.add(f"{resp.tenant_id}{_SEP}{band.value}")
-        self._finished.add(f"{band.value}{_SEP}p{msg.partition}")
+        self._finished.add(outstanding_key(resp.tenant_id, band))
+        self._finished.add(_DEPTH_KEY_PREFIX[band] + str(msg.partition))
         self.queues.finished(band.rank, now)
-        self.metrics.finished.labels(band.value, resp.status.value.lower()).inc()
+        self.metrics.finished.labels(band._value_, _STATUS_LABEL[resp.status]).inc()
 
     def _load_state(self) -> None:
         """After recovery: band depths (admitted minus finished) and the remembered ids."""

@@ -89,14 +89,20 @@ class Outputs:
         """Queue one output (``bulk``: through the producer that waits longer to batch)."""
         producer = self.deliveries.bulk if bulk else self.deliveries.producer
         self.produced += 1
-        on_delivery = self._on_delivery
-        extra = {} if partition is None else {"partition": partition}
-        while True:
-            try:
-                producer.produce(topic, value, key, headers=headers, on_delivery=on_delivery, **extra)
-                return
-            except BufferError:
+        try:
+            if partition is None:
+                producer.produce(topic, value, key, headers=headers, on_delivery=self._on_delivery)
+            else:
+                producer.produce(topic, value, key, partition=partition, headers=headers, on_delivery=self._on_delivery)
+        except BufferError:
+            extra = {} if partition is None else {"partition": partition}
+            while True:
                 producer.poll(0.05)  # the local queue is full: wait for deliveries to make room
+                try:
+                    producer.produce(topic, value, key, headers=headers, on_delivery=self._on_delivery, **extra)
+                    return
+                except BufferError:
+                    pass
 
     def seal(self, on_done) -> None:
         """No more outputs: call ``on_done()`` in the event loop once the outputs are delivered."""

@@ -15,6 +15,7 @@ from pipeline.models import Priority
 
 _BANDS = tuple(Priority)
 _N = len(_BANDS)
+_CRITICAL = Priority.CRITICAL  # an enum member read from its class costs a lookup every time
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,10 @@ def effective_priority(requested: Priority, user_tier: str, time_left_ms: int, e
     if time_left_ms < policy.urgent_ms or time_left_ms < policy.urgent_eta_factor * eta_ms:
         rank -= 1
         reasons += ("deadline urgent +1",)
-    ceiling = 0 if requested is Priority.CRITICAL else policy.highest_promoted.rank
+    ceiling = 0 if requested is _CRITICAL else policy.highest_promoted.rank
     if rank < ceiling:
         rank = ceiling
-    if load >= policy.high_load and requested is not Priority.CRITICAL and rank > 0:
+    if load >= policy.high_load and requested is not _CRITICAL and rank > 0:
         rank += 1
         reasons += (f"load {load:.0%} -1",)
     if not 0 <= rank < _N:

@@ -52,3 +52,9 @@ def test_threshold_is_configurable():
 
 def test_the_rule_is_a_pure_function():
     assert decide(Priority.LOW, "free", load=0.95) == decide(Priority.LOW, "free", load=0.95)
+
+
+def test_a_band_above_the_highest_promotion_is_clamped_even_when_nothing_else_moves_it():
+    policy = PriorityPolicy(highest_promoted=Priority.NORMAL)
+    d = effective_priority(Priority.HIGH, "standard", 60_000, 100.0, 0.1, policy)
+    assert d.effective is Priority.NORMAL and d.requested is Priority.HIGH

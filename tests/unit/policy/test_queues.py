@@ -79,3 +79,34 @@ def test_load_is_arrivals_over_the_best_drain_rate_seen():
     assert q.load(5_000) == pytest.approx(1.0, rel=0.15)
     snap = q.snapshot(5_000)
     assert snap["bands"]["NORMAL"]["depth"] == 0 and snap["drain_rate_per_s"] > 0
+
+
+def test_a_meter_kept_current_within_its_millisecond_agrees_with_one_recomputed_from_its_counts():
+    kept, recomputed = RateMeter(window_ms=3_000), RateMeter(window_ms=3_000)
+    for t in (0, 0, 7, 999, 1_000, 1_000, 2_500, 2_500, 2_500, 4_100, 4_100):
+        kept.rate(t)  # asked for before each add, as an admission does
+        kept.add(t)
+        recomputed.add(t)
+        recomputed._rate_ms = None  # forget the cache: computed from the counts
+        assert kept.rate(t) == recomputed.rate(t)
+
+
+def test_an_add_in_a_new_bucket_in_the_same_millisecond_as_the_last_rate_starts_that_bucket():
+    m = RateMeter(window_ms=2_000)
+    m.add(999)
+    m.rate(1_000)
+    m.add(1_000)  # the second bucket, though the cached rate is of this millisecond
+    assert [start for start, _ in m._counts] == [0, 1_000]
+    assert m.rate(2_500) == pytest.approx(1 * 1000 / (2_500 - 999))  # the first bucket aged out
+
+
+def test_the_outlook_is_the_drain_rate_and_the_load_and_check_with_it_is_check_without_it():
+    q = QueueModel([0, 0, 3, 0, 0])
+    for t in range(0, 2_000, 20):
+        q.finished(NORMAL, t)
+    for t in range(0, 2_000, 10):
+        q.admitted(NORMAL, t)
+    rate, load = q.outlook(2_000)
+    assert rate == q.drain_rate(2_000) and load == q.load(2_000)
+    assert q.check(NORMAL, 2_000, rate) == q.check(NORMAL, 2_000)
+    assert q.eta_ms(NORMAL, 2_000, rate) == q.eta_ms(NORMAL, 2_000)

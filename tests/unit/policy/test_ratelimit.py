@@ -91,3 +91,25 @@ def test_expire_drops_ended_windows_only():
 def test_invalid_limits_are_refused(bad):
     with pytest.raises(ValueError):
         WindowLimit("x", **bad)
+
+
+class _PerLimitCounts(dict):
+    """Counts kept apart per limit, as the gateway's tables keep them (one per limit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.parts: dict[str, dict] = {}
+
+    def for_limit(self, name: str) -> dict:
+        return self.parts.setdefault(name, {})
+
+
+def test_a_mapping_that_keeps_limits_apart_gets_each_limits_counts_in_its_own_part():
+    counts = _PerLimitCounts()
+    rl = RateLimiter([PER_SECOND, PER_MINUTE], counts=counts)
+    for _ in range(5):
+        assert rl.admit("acme", "m", 10, 10_100).admitted
+    assert not rl.admit("acme", "m", 10, 10_200).admitted  # per_second is full
+    assert counts.parts["per_second"] == {("per_second", "acme", 10_000): [5, 50]}
+    assert counts.parts["per_minute"] == {("per_minute", "acme", 0): [5, 50]}
+    assert dict(counts) == {}
