@@ -95,14 +95,18 @@ class Outputs:
             else:
                 producer.produce(topic, value, key, partition=partition, headers=headers, on_delivery=self._on_delivery)
         except BufferError:
-            extra = {} if partition is None else {"partition": partition}
-            while True:
-                producer.poll(0.05)  # the local queue is full: wait for deliveries to make room
-                try:
-                    producer.produce(topic, value, key, headers=headers, on_delivery=self._on_delivery, **extra)
-                    return
-                except BufferError:
-                    pass
+            self._produce_when_room(producer, topic, value, key, headers, partition)
+
+    def _produce_when_room(self, producer: Producer, topic, value, key, headers, partition) -> None:
+        """The producer's local queue is full: serve deliveries until it has room for this one."""
+        extra = {} if partition is None else {"partition": partition}
+        while True:
+            producer.poll(0.05)
+            try:
+                producer.produce(topic, value, key, headers=headers, on_delivery=self._on_delivery, **extra)
+                return
+            except BufferError:
+                pass
 
     def seal(self, on_done) -> None:
         """No more outputs: call ``on_done()`` in the event loop once the outputs are delivered."""

@@ -79,7 +79,7 @@ class RateLimiter:
 
     def admit(self, tenant: str, model: str, tokens: int, now_ms: int) -> RateDecision:
         """Admit and count, or refuse (counting nothing) with the limit and its retry-after."""
-        limits = self.tenant_limits.get(tenant, self.default_limits)
+        limits = self.limits_for(tenant)
         counted = []  # (counts, key, what it holds now): counted only if every limit has room
         worst: RateDecision | None = None
         counts_of = self._counts_of

@@ -187,3 +187,51 @@ def test_a_refusal_reported_after_the_event_loop_closed_is_logged_not_raised(cap
     deliveries.close(1)
     assert raised == [] and deliveries.failed == ["dispatch: _PURGE_QUEUE"]
     assert "after the event loop closed" in caplog.text
+
+
+class FullQueueProducer(HeldProducer):
+    """Refuses every produce while ``full`` (librdkafka's local queue limit); poll() delivers
+    what is held and frees the queue."""
+
+    def __init__(self, full_for: int):
+        super().__init__()
+        self.full_for = full_for
+        self.produced = []
+
+    def produce(self, topic, value, key, headers=None, on_delivery=None, partition=None):
+        if self.full_for:
+            raise BufferError("Local: Queue full")
+        self.produced.append((topic, value, key, partition))
+        super().produce(topic, value, key, headers, on_delivery, partition)
+
+    def poll(self, timeout):
+        self.deliver_all()
+        self.full_for = max(0, self.full_for - 1)
+        return 0
+
+
+def test_an_output_refused_by_a_full_local_queue_is_queued_once_there_is_room_and_still_counted():
+    async def body(_, deliveries):
+        producer = deliveries.producer
+        acked = []
+        outputs = deliveries.batch()
+        outputs.produce("changelog", b"v", b"k", partition=3)  # waits until a poll makes room
+        outputs.produce("dispatch", b"w", b"t")
+        assert producer.produced == [("changelog", b"v", b"k", 3), ("dispatch", b"w", b"t", None)]
+        outputs.seal(acks(["e1"], acked))
+        producer.deliver_all()
+        for _ in range(100):
+            if acked:
+                break
+            await asyncio.sleep(0.01)
+        assert acked == ["e1"]
+
+    async def main():
+        producer = FullQueueProducer(full_for=3)
+        deliveries = Deliveries(producer, poll_s=0.01)
+        try:
+            await body(producer, deliveries)
+        finally:
+            deliveries.close(1)
+
+    asyncio.run(main())
