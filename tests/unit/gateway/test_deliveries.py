@@ -46,9 +46,10 @@ def acks(names, acked):
     return lambda: acked.extend(names)
 
 
-def _run(body):
+def _run(body, producer=None):
     async def main():
-        producer = HeldProducer()
+        nonlocal producer
+        producer = producer or HeldProducer()
         deliveries = Deliveries(producer, poll_s=0.01)
         try:
             await body(producer, deliveries)
@@ -211,8 +212,7 @@ class FullQueueProducer(HeldProducer):
 
 
 def test_an_output_refused_by_a_full_local_queue_is_queued_once_there_is_room_and_still_counted():
-    async def body(_, deliveries):
-        producer = deliveries.producer
+    async def body(producer, deliveries):
         acked = []
         outputs = deliveries.batch()
         outputs.produce("changelog", b"v", b"k", partition=3)  # waits until a poll makes room
@@ -226,12 +226,4 @@ def test_an_output_refused_by_a_full_local_queue_is_queued_once_there_is_room_an
             await asyncio.sleep(0.01)
         assert acked == ["e1"]
 
-    async def main():
-        producer = FullQueueProducer(full_for=3)
-        deliveries = Deliveries(producer, poll_s=0.01)
-        try:
-            await body(producer, deliveries)
-        finally:
-            deliveries.close(1)
-
-    asyncio.run(main())
+    _run(body, FullQueueProducer(full_for=3))
