@@ -123,11 +123,9 @@ class QueueModel:
 
     def outlook(self, now_ms: int) -> tuple[float, float]:
         """``(drain_rate, load)`` at ``now_ms``: what an admission decision reads, once."""
-        rate = self._drain.rate(now_ms)
-        if rate > self._capacity:
-            self._capacity = rate
+        rate = self.drain_rate(now_ms)
         cap = self._capacity or self.default_rate
-        return rate or self.default_rate, (self._arrivals.rate(now_ms) / cap if cap > 0 else 0.0)
+        return rate, (self._arrivals.rate(now_ms) / cap if cap > 0 else 0.0)
 
     def ahead(self, rank: int) -> int:
         """Requests a new one in band ``rank`` waits behind: its own band and every higher one."""
@@ -135,12 +133,7 @@ class QueueModel:
 
     def eta_ms(self, rank: int, now_ms: int, rate: float | None = None) -> float:
         """``rate``: the drain rate at ``now_ms``, if the caller has it already."""
-        if rate is None:
-            rate = self.drain_rate(now_ms)
-        ahead = sum(self.depth[: rank + 1])
-        if ahead == 0:
-            return 0.0
-        return ahead * 1000.0 / rate if rate > 0 else float("inf")
+        return _eta_ms(sum(self.depth[: rank + 1]), self.drain_rate(now_ms) if rate is None else rate)
 
     def check(self, rank: int, now_ms: int, rate: float | None = None) -> QueueVerdict:
         """Whether band ``rank`` has room for one more, and where it would stand (``rate``:
@@ -149,7 +142,7 @@ class QueueModel:
             rate = self.drain_rate(now_ms)
         depth = self.depth
         ahead = sum(depth[: rank + 1])
-        eta = 0.0 if ahead == 0 else ahead * 1000.0 / rate if rate > 0 else float("inf")
+        eta = _eta_ms(ahead, rate)
         cap = self.caps[rank]
         if cap and depth[rank] >= cap:
             # Until the band has drained below its cap at the current rate.
@@ -166,6 +159,13 @@ class QueueModel:
                 "load": round(self.load(now_ms), 3),
                 "bands": {p.value: {"depth": self.depth[p.rank], "cap": self.caps[p.rank],
                                     "eta_ms": _finite(self.eta_ms(p.rank, now_ms))} for p in Priority}}
+
+
+def _eta_ms(ahead: int, rate: float) -> float:
+    """The wait behind ``ahead`` requests at ``rate`` completions a second."""
+    if ahead == 0:
+        return 0.0
+    return ahead * 1000.0 / rate if rate > 0 else float("inf")
 
 
 def _finite(x: float) -> float | None:
