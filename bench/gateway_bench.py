@@ -119,11 +119,13 @@ class WorkerProcess:
     generator and the response reader in the benchmark's process neither share its interpreter
     lock nor pause it with their garbage collections."""
 
-    def __init__(self, settings: Settings, tmp: Path, *, inflight: int, latency_ms: float = 0):
+    def __init__(self, settings: Settings, tmp: Path, *, inflight: int, latency_ms: float = 0,
+                 env: dict[str, str] | None = None):
         self.log = tmp / f"worker-{uuid.uuid4().hex[:6]}.log"
         env = {**os.environ, **_topic_env(settings), "LLMQ_WORKER__SOURCE": "dispatch",
                "LLMQ_WORKER__GROUP_ID": settings.worker.group_id, "LLMQ_WORKER__METRICS_PORT": "0",
-               "LLMQ_WORKER__MAX_INFLIGHT": str(inflight), "LLMQ_WORKER__SIM_LATENCY_MS": str(latency_ms)}
+               "LLMQ_WORKER__MAX_INFLIGHT": str(inflight), "LLMQ_WORKER__SIM_LATENCY_MS": str(latency_ms),
+               **(env or {})}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "worker",
                                           "--worker-id", "bench-e2e"], env=env, stdout=log,
@@ -155,24 +157,26 @@ class ThreadWorkers:
             t.join(60)
 
 
-_PRODUCERS: dict[str, Producer] = {}
+_PRODUCERS: dict[tuple[str, int | None], Producer] = {}
 
 
-def _producer(settings: Settings) -> Producer:
-    """One producer per broker for the whole run, as a client service would have: a new one
-    spends its first half second on metadata and its idempotent producer id, which would be
-    measured as the first requests' wait."""
-    producer = _PRODUCERS.get(settings.kafka.bootstrap)
+def _producer(settings: Settings, linger_ms: int | None = None) -> Producer:
+    """One producer per broker (and linger) for the whole run, as a client service would have:
+    a new one spends its first half second on metadata and its idempotent producer id, which
+    would be measured as the first requests' wait."""
+    key = (settings.kafka.bootstrap, linger_ms)
+    producer = _PRODUCERS.get(key)
     if producer is None:
-        producer = _PRODUCERS[settings.kafka.bootstrap] = Producer(
-            settings.kafka.producer_config())  # llmq's producer defaults, as the llmq client has them
+        extra = {} if linger_ms is None else {"linger.ms": linger_ms}
+        # llmq's producer defaults, as the llmq client has them
+        producer = _PRODUCERS[key] = Producer(settings.kafka.producer_config(**extra))
     return producer
 
 
-def produce_paced(settings: Settings, schedule, *, codec: Codec | None = None) -> int:
+def produce_paced(settings: Settings, schedule, *, codec: Codec | None = None, linger_ms: int | None = None) -> int:
     """``schedule`` yields (at_s, Request); each is produced at its time (relative to now)."""
     codec = codec or Codec.default()
-    producer = _producer(settings)
+    producer = _producer(settings, linger_ms)
     t0 = time.monotonic()
     n = 0
     for at, req in schedule:
@@ -227,7 +231,7 @@ def wait_for_messages(settings: Settings, topic: str, n: int, *, timeout: float 
 
 
 def warm_up(settings: Settings, bands=(Priority.CRITICAL, Priority.BACKGROUND, Priority.NORMAL),
-            tenants=("warm-up",)) -> set[str]:
+            tenants=("warm-up",), linger_ms: int | None = None) -> set[str]:
     """Requests through the whole path, answered, before anything is measured; returns their ids.
 
     The first fetches after a start or an assignment take hundreds of milliseconds, and so does
@@ -240,7 +244,7 @@ def warm_up(settings: Settings, bands=(Priority.CRITICAL, Priority.BACKGROUND, P
     reqs = [Request.new(tenant, f"w{i}", priority=band, timeout_ms=600_000, max_tokens=1)
             for i in range(per_tenant) for tenant in tenants for band in bands]
     pace = min(0.01, 1.0 / len(reqs))
-    produce_paced(settings, ((i * pace, r) for i, r in enumerate(reqs)))
+    produce_paced(settings, ((i * pace, r) for i, r in enumerate(reqs)), linger_ms=linger_ms)
     ids = {r.request_id for r in reqs}
     codec = Codec.default()
     deadline = time.monotonic() + 60
@@ -527,18 +531,26 @@ def end_to_end_latency(settings: Settings, args) -> dict:
 #: A topology sized for one broker at about 1,000 req/s (topics.<kind>_partitions).
 SMALL_TOPOLOGY = {"request": 2, "dispatch": 2, "response": 2}
 
+#: The latency tuning of this scenario: every producer on the path (the client's, the gateway's
+#: dispatches, the worker's responses) sends after 1 ms instead of llmq's default 5 ms (Kafka's
+#: and librdkafka's default too). librdkafka sends a produce request per partition, and at
+#: 1,000 req/s over 6 to 12 partitions a batch holds one or two requests either way, so the
+#: 4 ms saved per hop cost the broker few extra requests. README says how to set it.
+LOW_LATENCY_LINGER_MS = 1
+
 
 def _latency_at(settings: Settings, rate: int, *, partitions: dict[str, int] | None = None) -> dict:
     seconds = 10
     s = fresh(settings, partitions=partitions)
     codec = Codec.default()
     with tempfile.TemporaryDirectory() as tmp:
-        gw = GatewayProcess(s, GENEROUS.format(extra="high_load = 10\ndegrade_load = 10", rps=10**9, outstanding=0),
-                            Path(tmp))
-        worker = WorkerProcess(s, Path(tmp), inflight=64)
+        linger = LOW_LATENCY_LINGER_MS
+        gw = GatewayProcess(s, GENEROUS.format(extra=f"high_load = 10\ndegrade_load = 10\nproducer_linger_ms = {linger}",
+                                               rps=10**9, outstanding=0), Path(tmp))
+        worker = WorkerProcess(s, Path(tmp), inflight=64, env={"LLMQ_WORKER__PRODUCER_LINGER_MS": str(linger)})
         try:
             tenants = [f"t{i}" for i in range(100)]
-            warm_ids = warm_up(s, bands=(Priority.NORMAL,), tenants=tenants)
+            warm_ids = warm_up(s, bands=(Priority.NORMAL,), tenants=tenants, linger_ms=linger)
             got: list = []
             # The reader starts at the beginning of the topic: the warm-up's answers come first.
             reader = threading.Thread(target=lambda: got.extend(read_all(
@@ -552,7 +564,7 @@ def _latency_at(settings: Settings, rate: int, *, partitions: dict[str, int] | N
             gc.collect()
             gc.disable()
             try:
-                produce_paced(s, sched)
+                produce_paced(s, sched, linger_ms=linger)
                 reader.join(seconds + 90)
             finally:
                 gc.enable()
@@ -572,9 +584,10 @@ def _latency_at(settings: Settings, rate: int, *, partitions: dict[str, int] | N
                                                "response": t.response_partitions},
             "tuning": "gateway: aiokafka fetch_max_wait 100 ms when idle (faust hard-codes 1500), 10 ms / 1 MiB "
                       "while records keep arriving (busy_fetch_wait_ms), each fetch handed over as batches (no "
-                      "wait), librdkafka linger 5 ms (BACKGROUND dispatches and changelogs 50 ms), table changes "
-                      "written every 200 ms; worker (its own process, llmq worker): fetch.wait.max.ms 50, "
-                      "linger.ms 5, idle poll 5 ms; load producer linger 5 ms (llmq's default); reader "
+                      f"wait), librdkafka linger {linger} ms (producer_linger_ms; BACKGROUND dispatches and "
+                      "changelogs 50 ms), table changes written every 200 ms; worker (its own process, llmq "
+                      f"worker): fetch.wait.max.ms 50, linger.ms {linger} (worker.producer_linger_ms), idle poll 5 ms; "
+                      f"load producer linger {linger} ms (llmq's default is 5 ms for every producer); reader "
                       "fetch.wait.max.ms 5, consume wait 2 ms; the load process's garbage collector off while "
                       "it measures"}
 

@@ -370,10 +370,15 @@ TABLE = {
 _BENCH_TOPIC = re.compile(r"^(bench|gwb)[0-9a-f]{6}\.llm")
 
 
-def _drop_bench_topics(bootstrap: str) -> None:
+def _drop_bench_topics(bootstrap: str, log_dir: Path | None = None) -> None:
     """Delete the topics a scenario created, so that the next one runs on a broker without
     hundreds of dead partitions (their indexes and fetch sessions cost the broker CPU and the
-    later scenarios latency). Only names the benchmark generates are touched."""
+    later scenarios latency). Only names the benchmark generates are touched.
+
+    With the broker's ``log_dir`` (a broker this run started), also wait until the broker has
+    removed their files: it unlinks them on a scheduler thread, which took 30-50 % of a core for
+    seconds, and with Kafka's default delay of a minute that was in the middle of the scenario
+    after next (the local broker deletes them after a second, ``log.segment.delete.delay.ms``)."""
     from confluent_kafka.admin import AdminClient
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
@@ -389,6 +394,9 @@ def _drop_bench_topics(bootstrap: str) -> None:
     # missing from the metadata its first clients saw.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and set(names) & set(admin.list_topics(timeout=30).topics):
+        time.sleep(0.2)
+    # A deleted partition's directory is renamed "<topic>-<partition>.<id>-delete" until removed.
+    while log_dir is not None and time.monotonic() < deadline and any(log_dir.glob("*-delete")):
         time.sleep(0.2)
     _log(f"  deleted the scenario's {len(names)} topics")
 
@@ -440,7 +448,7 @@ def main(argv=None) -> int:
             try:
                 results[name] = SCENARIOS[name](settings, args)
             finally:
-                _drop_bench_topics(bootstrap)
+                _drop_bench_topics(bootstrap, broker.data_dir / "data" if broker is not None else None)
     finally:
         if broker is not None:
             broker.down()

@@ -359,6 +359,10 @@ class LocalBroker:
             "auto.create.topics.enable": "false",
             "log.retention.hours": "24",
             "log.segment.bytes": str(256 * 1024 * 1024),
+            # A deleted topic's files go after a second, not a minute (Kafka's default): tests
+            # and benchmarks create and delete hundreds of partitions, and the deferred unlinking
+            # kept a broker thread at 30-50 % of a core during whatever ran a minute later.
+            "log.segment.delete.delay.ms": "1000",
         }
         if self.secure or self.is_secure():
             props.update(self._secure_props(controller_port))

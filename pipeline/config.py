@@ -227,6 +227,10 @@ class WorkerSettings:
     commit_interval_ms: int = 500
     #: How long to wait for the poll when nothing is buffered (the idle wake-up).
     idle_poll_ms: int = 5
+    #: How long responses wait to be sent together (linger.ms of the worker's producer; a
+    #: linger.ms in [kafka.properties] still wins). 1 ms takes ~4 ms off a response's way, at
+    #: the cost of a produce request per response or two when they are sparse.
+    producer_linger_ms: int = 5
     #: On SIGTERM, how long in-flight requests may still finish before they are handed back.
     shutdown_grace_s: float = 10.0
     #: "simulated" or "openai" (any OpenAI-compatible chat-completions server).
@@ -365,8 +369,10 @@ class GatewaySettings:
     #: third of the gateway's CPU. 0 = always answer with the first record.
     busy_fetch_wait_ms: int = 10
     #: How long outputs wait to be sent together. Every produce request costs the broker CPU
-    #: (here a 1,000 msg/s stream took 41 % of a core at 1 ms, 30 % at 5 ms): at 1 ms for the
-    #: gateway and its clients, end-to-end p99 at 1,000 req/s was 134-209 ms, at 5 ms 69-80 ms.
+    #: (here a 1,000 msg/s stream took 41 % of a core at 1 ms, 30 % at 5 ms). For latency, 1 ms
+    #: on every producer of the path (client, gateway, worker.producer_linger_ms) gave an
+    #: end-to-end p99 at 1,000 req/s of 40-48 ms against 51-59 ms at 5 ms (BENCHMARKS.md;
+    #: an earlier, noisier measurement had found 1 ms worse).
     producer_linger_ms: int = 5
     #: The linger of BACKGROUND dispatches and of the tables' changelog writes, sent
     #: by a second producer: librdkafka sends one produce request per partition, so a flood of
@@ -596,6 +602,7 @@ class Settings:
             positive(f"worker.{key}", getattr(self.worker, key))
         for key in ("shutdown_grace_s", "sim_latency_ms", "sim_ms_per_token", "metrics_tenant_top_n", "dedupe_window"):
             non_negative(f"worker.{key}", getattr(self.worker, key))
+        non_negative("worker.producer_linger_ms", self.worker.producer_linger_ms)
         shares = {}
         for band, share in self.worker.band_min_share.items():
             if band not in Priority.__members__:

@@ -196,7 +196,8 @@ class Worker:
         cfg = self.cfg
         producer_conf = {"client.id": f"llmq-worker-{self.worker_id}",
                          # room for a dead letter of the largest request the broker accepts, plus headers
-                         "message.max.bytes": MAX_DEAD_LETTER_BYTES + 65536}
+                         "message.max.bytes": MAX_DEAD_LETTER_BYTES + 65536,
+                         "linger.ms": cfg.producer_linger_ms}
         consumer_conf = {"client.id": f"llmq-worker-{self.worker_id}",
                          "max.poll.interval.ms": cfg.max_poll_interval_ms,
                          **cfg.membership_config(self.worker_id),

@@ -49,6 +49,7 @@ def test_passthrough_properties_win_over_llmq_defaults():
     ({"LLMQ_TOPICS__REQUEST_PARTITIONS": "-1"}, "topics.request_partitions"),
     ({"LLMQ_WORKER__GROUP_PROTOCOL": "eager"}, "worker.group_protocol"),
     ({"LLMQ_WORKER__GROUP_REMOTE_ASSIGNOR": ""}, "worker.group_remote_assignor"),
+    ({"LLMQ_WORKER__PRODUCER_LINGER_MS": "-1"}, "worker.producer_linger_ms"),
 ])
 def test_invalid_settings_are_refused_naming_the_key(env, key):
     with pytest.raises(ConfigError) as info:
