@@ -332,7 +332,10 @@ def _critical_waits(settings: Settings, flood_factor: float, capacity: float, se
         s.worker.pool = "all"
     gw = None if fifo or not gateway else GatewayProcess(
         s, GENEROUS.format(extra="high_load = 10\ndegrade_load = 10", rps=10**9, outstanding=0), tmp)
-    workers = ThreadWorkers(s, 1, latency_ms=10, inflight=int(capacity * 0.010))
+    # `llmq worker` in its own process, as deployed and as end_to_end_latency runs it, not a
+    # thread sharing the interpreter lock with the load generator and its flood.
+    workers = WorkerProcess(s, tmp, inflight=int(capacity * 0.010), latency_ms=10,
+                            env={"LLMQ_WORKER__SOURCE": s.worker.source, "LLMQ_WORKER__POOL": s.worker.pool})
     try:
         warm_up(s, bands=(Priority.NORMAL,) if fifo else (Priority.CRITICAL, Priority.BACKGROUND),
                 tenants=["vip"] + [f"bulk-{i}" for i in range(50)])
