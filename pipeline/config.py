@@ -368,6 +368,10 @@ class GatewaySettings:
     #: is encoded, answered and decoded in full: at 1,000 req/s one per arriving batch took a
     #: third of the gateway's CPU. 0 = always answer with the first record.
     busy_fetch_wait_ms: int = 10
+    #: Bands whose requests end that gathering: for a second after a fetch brought one of
+    #: them, every fetch answers with the first record again. One fetch names every partition,
+    #: so gathering behind a BACKGROUND flood held a sparse CRITICAL request back too. [] = none.
+    prompt_fetch_bands: list[str] = field(default_factory=lambda: ["CRITICAL", "HIGH"])
     #: How long outputs wait to be sent together. Every produce request costs the broker CPU
     #: (here a 1,000 msg/s stream took 41 % of a core at 1 ms, 30 % at 5 ms). For latency, 1 ms
     #: on every producer of the path (client, gateway, worker.producer_linger_ms) gave an
@@ -458,6 +462,10 @@ class GatewaySettings:
                 raise ConfigError(f"gateway.tenant_outstanding_overrides.{tenant}", "must be a table band → cap")
         if self.demote_floor not in Priority.__members__:
             raise ConfigError("gateway.demote_floor", f"unknown band (known: {', '.join(Priority.__members__)})")
+        for band in self.prompt_fetch_bands:
+            if band not in Priority.__members__:
+                raise ConfigError("gateway.prompt_fetch_bands",
+                                  f"unknown band {band!r} (known: {', '.join(Priority.__members__)})")
         if self.processing_guarantee != "at-least-once":
             # faust-streaming 0.15's exactly_once leaves sends to topics the app does not consume
             # outside its transactions, and the dispatch topics are such topics.

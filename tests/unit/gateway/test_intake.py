@@ -5,6 +5,7 @@ through faust's own bookkeeping: what faust commits and waits for stays what it 
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import faust
@@ -131,3 +132,33 @@ def test_after_a_fetch_with_records_the_next_gathers_and_after_an_empty_one_it_r
     assert (fetcher._fetch_max_wait_ms, fetcher._fetch_min_bytes) == (10, 1 << 20)
     assert asyncio.run(fetch(False)) is False
     assert (fetcher._fetch_max_wait_ms, fetcher._fetch_min_bytes) == (100, 1)
+
+
+def test_records_of_an_urgent_band_make_fetches_answer_at_once_for_a_while():
+    class Fetcher:
+        _fetch_max_wait_ms, _fetch_min_bytes = 100, 1
+
+        def __init__(self):
+            self._records = {}
+            self.results = []
+
+        async def _proc_fetch_request(self, assignment, node_id, request):
+            fetched = self.results.pop(0)
+            self._records.clear()
+            self._records.update({TP(topic, 0): [] for topic in fetched})
+            return bool(fetched)
+
+    fetcher = Fetcher()
+    faust_fixes.adapt_fetch_waits(fetcher, idle_wait_ms=100, busy_wait_ms=10, busy_min_bytes=1 << 20,
+                                  prompt_topics=frozenset({"req.critical"}), prompt_hold_s=0.2)
+
+    def fetch(*topics):
+        fetcher.results.append(list(topics))
+        asyncio.run(fetcher._proc_fetch_request(None, 1, None))
+        return fetcher._fetch_max_wait_ms, fetcher._fetch_min_bytes
+
+    assert fetch("req.background") == (10, 1 << 20)  # bulk only: gather
+    assert fetch("req.background", "req.critical") == (100, 1)  # an urgent record: answer at once
+    assert fetch("req.background") == (100, 1)  # ... for a while after it
+    time.sleep(0.25)
+    assert fetch("req.background") == (10, 1 << 20)  # then gather again
