@@ -381,21 +381,28 @@ def _critical_waits(settings: Settings, flood_factor: float, capacity: float, se
         drop_topics(s)
 
 
-def drop_topics(settings: Settings, timeout: float = 30.0) -> None:
-    """Delete the topics named with ``settings``' prefix and wait until the broker lists none."""
+def drop_topics(settings: Settings) -> None:
+    """Delete the topics named with ``settings``' prefix (a round's, the gateway's own included)."""
     admin = AdminClient({"bootstrap.servers": settings.kafka.bootstrap})
     prefix = settings.topics.prefix
-    names = [t for t in admin.list_topics(timeout=timeout).topics if t.startswith(prefix)]
+    delete_topics(admin, [t for t in admin.list_topics(timeout=30).topics if t.startswith(prefix)])
+
+
+def delete_topics(admin: AdminClient, names: list[str], timeout: float = 30.0) -> float:
+    """Delete ``names`` and wait until the broker no longer lists them (deletion finishes in the
+    background, and new topics created meanwhile were missing from their first clients'
+    metadata); returns the monotonic deadline, for callers that wait for more."""
+    deadline = time.monotonic() + timeout
     if not names:
-        return
-    for future in admin.delete_topics(names, operation_timeout=timeout).values():
+        return deadline
+    for name, future in admin.delete_topics(names, operation_timeout=timeout).items():
         try:
             future.result()
         except Exception as exc:  # noqa: BLE001 (a leftover topic only costs the broker a little)
-            _log(f"  could not delete a topic: {exc}")
-    deadline = time.monotonic() + timeout
+            _log(f"  could not delete {name}: {exc}")
     while time.monotonic() < deadline and set(names) & set(admin.list_topics(timeout=timeout).topics):
         time.sleep(0.2)
+    return deadline
 
 
 def priority_isolation(settings: Settings, args) -> dict:

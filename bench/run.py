@@ -381,20 +381,13 @@ def _drop_bench_topics(bootstrap: str, log_dir: Path | None = None) -> None:
     after next (the local broker deletes them after a second, ``log.segment.delete.delay.ms``)."""
     from confluent_kafka.admin import AdminClient
 
+    from gateway_bench import delete_topics
+
     admin = AdminClient({"bootstrap.servers": bootstrap})
     names = [t for t in admin.list_topics(timeout=30).topics if _BENCH_TOPIC.match(t)]
     if not names:
         return
-    for name, future in admin.delete_topics(names, operation_timeout=30).items():
-        try:
-            future.result()
-        except Exception as exc:  # noqa: BLE001 (a leftover topic only costs the broker a little)
-            _log(f"  could not delete {name}: {exc}")
-    # Deletion finishes in the background: the next scenario's new topics were otherwise
-    # missing from the metadata its first clients saw.
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and set(names) & set(admin.list_topics(timeout=30).topics):
-        time.sleep(0.2)
+    deadline = delete_topics(admin, names)
     # A deleted partition's directory is renamed "<topic>-<partition>.<id>-delete" until removed.
     while log_dir is not None and time.monotonic() < deadline and any(log_dir.glob("*-delete")):
         time.sleep(0.2)
