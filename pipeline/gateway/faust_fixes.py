@@ -13,7 +13,8 @@
    fetch costs both the gateway and the broker CPU.
 3. **Fetching in batches while records keep arriving** (``adapt_fetch_waits``): after a fetch
    that brought records the next one lets the broker gather for a few milliseconds, unless
-   records of an urgent band (CRITICAL, HIGH) came in the last second.
+   records of an urgent band (``gateway.prompt_fetch_bands``: CRITICAL, HIGH) came in the
+   last second.
 4. **The gateway's topics handed over in batches** (``_drain_messages``, with
    :mod:`pipeline.gateway.intake`): the records of a fetch go to the gateway as lists instead of
    one faust event each; every other topic keeps faust's path.

@@ -104,6 +104,7 @@ def test_the_example_file_documents_every_gateway_default():
     ("[gateway.tenant_outstanding]\nHIGH = -1", "gateway.tenant_outstanding.HIGH"),
     ("[gateway.tier_offsets]\ngold = 'up'", "gateway.tier_offsets.gold"),
     ("[gateway]\ndemote_floor = 'LOWEST'", "gateway.demote_floor"),
+    ("[gateway]\nprompt_fetch_bands = ['URGENT']", "gateway.prompt_fetch_bands"),
     ("[gateway]\nhigh_load = 0", "gateway.high_load"),
     ("[gateway]\nstore = 'redis://x'", "gateway.store"),
     # Faust's rocksdb store reads only the current event's partition: the gateway's reads would miss.
