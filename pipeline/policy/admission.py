@@ -47,6 +47,7 @@ class Action(enum.Enum):
 
 
 _DISPATCH = Action.DISPATCH  # an enum member read from its class costs a lookup every time
+_new = tuple.__new__  # a NamedTuple built from a tuple: its keyword-parsing __new__ costs ~0.7 us
 
 
 class Decision(NamedTuple):
@@ -88,60 +89,70 @@ class Admission:
         return req.created_at + min(req.timeout_ms, self.max_timeout_ms)
 
     def decide(self, req: Request, now_ms: int, *, cancelled: bool = False) -> Decision:
+        # Run for every request the gateway reads: attributes are read once into locals, and
+        # the common answers built without the keyword parsing of their NamedTuples.
         problem = validate_request(req, now_ms)
         if problem is not None:
             return Decision(Action.REJECT, problem)
         if cancelled:
             return Decision(Action.CANCEL, "cancelled: cancelled by the client before dispatch")
-        left = self.deadline_ms(req) - now_ms
+        timeout = req.timeout_ms
+        max_timeout = self.max_timeout_ms
+        left = req.created_at + (timeout if timeout < max_timeout else max_timeout) - now_ms
         if left <= 0:
             return Decision(Action.EXPIRE, f"expired: deadline passed {-left} ms before admission")
 
         queues = self.queues
+        quotas = self.quotas
+        tenant = req.tenant_id
+        requested = req.priority
         rate, load = queues.outlook(now_ms)
-        eta = queues.eta_ms(req.priority.rank, now_ms, rate)
-        wanted = effective_priority(req.priority, req.user_tier, left, eta if eta < _UNKNOWN else 0.0, load,
+        eta = queues.eta_ms(requested.rank, now_ms, rate)
+        wanted = effective_priority(requested, req.user_tier, left, eta if eta < _UNKNOWN else 0.0, load,
                                     self.priority)
         notes = wanted.reasons
-        placement = self.quotas.place(req.tenant_id, wanted.effective)
-        if placement.band is None:
-            verdict = queues.check(wanted.effective.rank, now_ms, rate)
+        effective = wanted.effective
+        placement = quotas.place(tenant, effective)
+        band = placement.band
+        if band is None:
+            verdict = queues.check(effective.rank, now_ms, rate)
             # Room comes back as the tenant's requests finish: about the band's ETA.
             retry = max(verdict.retry_after_ms, int(min(verdict.eta_ms, 60_000)), 100)
-            cap = self.quotas.cap(req.tenant_id, wanted.effective)
+            cap = quotas.cap(tenant, effective)
             return Decision(Action.REJECT, f"quota_exceeded: tenant has {cap} requests outstanding in "
-                                           f"{wanted.effective.value} and every band down to {self.quotas.floor.value}",
-                            retry_after_ms=retry, band=wanted.effective)
-        band = placement.band
+                                           f"{effective.value} and every band down to {quotas.floor.value}",
+                            retry_after_ms=retry, band=effective)
         if placement.demoted_from is not None:
             notes += (f"quota: demoted from {placement.demoted_from.value}",)
-        verdict = queues.check(band.rank, now_ms, rate)
-        if verdict.full:
-            return Decision(Action.REJECT, f"queue_full: band {band.value} holds {queues.depth[band.rank]} requests "
-                                           f"(cap {queues.caps[band.rank]})",
-                            retry_after_ms=verdict.retry_after_ms, band=band, position=verdict.position)
+        rank = band.rank
+        verdict = queues.check(rank, now_ms, rate)
+        full, position, band_eta, _ = verdict
+        if full:
+            return Decision(Action.REJECT, f"queue_full: band {band.value} holds {queues.depth[rank]} requests "
+                                           f"(cap {queues.caps[rank]})",
+                            retry_after_ms=verdict.retry_after_ms, band=band, position=position)
         # An unknown ETA (nothing has drained yet) is no reason to give up on a request.
-        if left < verdict.eta_ms < _UNKNOWN:
-            return Decision(Action.EXPIRE, f"expired: deadline cannot be met (queue ETA {verdict.eta_ms:.0f} ms, "
+        if left < band_eta < _UNKNOWN:
+            return Decision(Action.EXPIRE, f"expired: deadline cannot be met (queue ETA {band_eta:.0f} ms, "
                                            f"{left} ms left)", band=band)
 
         model, degraded_from = req.model, None
         d = self.degrade
         prompt_tokens = estimate_prompt_tokens(req.prompt)
-        if (d.downgrade and req.allow_degrade and load >= d.load and req.model in d.downgrade
+        if (d.downgrade and req.allow_degrade and load >= d.load and model in d.downgrade
                 and prompt_tokens <= d.simple_prompt_tokens and req.max_tokens <= d.simple_max_tokens):
-            model, degraded_from = d.downgrade[req.model], req.model
-            notes += (f"degraded {req.model} -> {model} at load {load:.0%}",)
+            model, degraded_from = d.downgrade[model], model
+            notes += (f"degraded {degraded_from} -> {model} at load {load:.0%}",)
 
-        limited = self.limiter.admit(req.tenant_id, model, prompt_tokens + req.max_tokens, now_ms)
+        limited = self.limiter.admit(tenant, model, prompt_tokens + req.max_tokens, now_ms)
         if not limited.admitted:
             return Decision(Action.REJECT, f"rate_limited: limit {limited.limit}: {limited.detail}",
                             retry_after_ms=limited.retry_after_ms or None, band=band)
 
-        self.quotas.admitted(req.tenant_id, band)
-        queues.admitted(band.rank, now_ms)
-        return Decision(_DISPATCH, band=band, model=model, degraded_from=degraded_from,
-                        position=verdict.position, eta_ms=verdict.eta_ms, notes=notes)
+        quotas.admitted(tenant, band)
+        queues.admitted(rank, now_ms)
+        # Decision(_DISPATCH, band=, model=, degraded_from=, position=, eta_ms=, notes=)
+        return _new(Decision, (_DISPATCH, None, None, band, model, degraded_from, position, band_eta, notes))
 
     def finished(self, tenant: str, band: Priority, now_ms: int) -> None:
         """A dispatched request reached its terminal response."""

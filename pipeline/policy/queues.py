@@ -15,6 +15,7 @@ from typing import NamedTuple
 from pipeline.models import Priority
 
 N_BANDS = len(Priority)
+_new = tuple.__new__  # a NamedTuple built from a tuple: its keyword-parsing __new__ costs ~0.5 us
 
 
 class RateMeter:
@@ -149,8 +150,8 @@ class QueueModel:
             excess = depth[rank] - cap + 1
             retry = excess * 1000.0 / rate if rate > 0 else self.max_retry_ms
             retry_ms = int(min(max(retry, self.min_retry_ms), self.max_retry_ms))
-            return QueueVerdict(True, ahead + 1, eta, retry_ms)
-        return QueueVerdict(False, ahead + 1, eta)
+            return _new(QueueVerdict, (True, ahead + 1, eta, retry_ms))
+        return _new(QueueVerdict, (False, ahead + 1, eta, 0))
 
     def snapshot(self, now_ms: int) -> dict:
         """What ``GET /v1/queue`` shows."""

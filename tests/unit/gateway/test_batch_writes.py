@@ -138,7 +138,8 @@ def test_counter_values_and_remembered_keys_are_the_bytes_faust_would_write():
     direct, table, gateway = _direct(lambda app, g: app.Table("rate", default=lambda: None, partitions=4)
                                      .tumbling(1.0, expires=2.0).relative_to(lambda event=None: g._clock_s))
     topic = table.changelog_topic
-    values = [[1, 10], [0, 0], [7, 2**40], 5, -3, None, [["id-1", "t:0:5"]], {"a": 1}, True]
+    values = [[1, 10], [0, 0], [7, 2**40], 5, -3, None, [["id-1", "t:0:5"]], [("id-\u00e9\u2028\"", "t:1:2"), ("x", "y")],
+              [], {"a": 1}, True]
     for value in values:
         direct.set("tenant \"q\" é", value, 2)  # the key is encoded once, then remembered
     window = table.window.current(41.5)

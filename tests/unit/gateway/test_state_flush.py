@@ -175,3 +175,34 @@ def test_a_refused_dispatch_stops_the_gateway_once_without_waiting_for_another_b
         assert len(crashes) == 1
 
     asyncio.run(run())
+
+
+def test_a_resubmitted_id_is_answered_once_within_the_dedupe_horizon_and_forgotten_after_it(make_gateway,
+                                                                                            monkeypatch):
+    gateway, settings = make_gateway(dedupe_horizon_ms=10_000)  # ids are kept 10 s (two 5-s windows)
+    codec, topic = Codec.default(), settings.topics.request_topic(Priority.NORMAL)
+    dispatch = settings.topics.dispatch_topic(Priority.NORMAL)
+    now = [int(time.time() * 1000)]
+    monkeypatch.setattr(gateway_app, "_now_ms", lambda: now[0])
+    once = Request.new("acme", "hello", priority=Priority.NORMAL, timeout_ms=600_000, max_tokens=4)
+    other = Request.new("acme", "hello", priority=Priority.NORMAL, timeout_ms=600_000, max_tokens=4)
+    offsets = iter(range(100))
+
+    def submit(req, at_ms):
+        now[0] = at_ms
+        value = codec.encode_request(req, settings.serde.wire_format, topic)
+        gateway._admit_events([SimpleNamespace(topic=topic, partition=0, offset=next(offsets), key=b"acme",
+                                               headers=[], value=value)], FakeAcks())
+        return sum(1 for t, _ in gateway.out.sent if t == dispatch)
+
+    async def run():
+        start = now[0]
+        assert submit(once, start) == 1
+        assert submit(once, start + 1_000) == 1  # the same id again: answered already
+        assert submit(other, start + 11_000) == 2  # past the horizon: the first id is forgotten here
+        assert once.request_id not in gateway._seen and other.request_id in gateway._seen
+        assert submit(once, start + 11_500) == 3
+        assert submit(once, start + 12_000) == 3  # and remembered again from its new admission
+        assert [rid for _, rid in gateway._seen_order] == [other.request_id, once.request_id]
+
+    asyncio.run(run())
