@@ -32,7 +32,7 @@ from pipeline.serde import RESPONSE_FIELDS
 log = logging.getLogger(__name__)
 
 #: The build of _lane.c this code expects (its LANE_ABI).
-LANE_ABI = 3
+LANE_ABI = 4
 
 try:  # built from _lane.c by `pip install` when a C compiler is there; optional
     from pipeline.worker import _lane
@@ -45,7 +45,8 @@ if _lane is not None and getattr(_lane, "ABI", None) != LANE_ABI:  # pragma: no 
 
 #: The request fields _lane.c reads, in its F_* order.
 READ_FIELDS = ("request_id", "tenant_id", "priority", "prompt", "model", "max_tokens", "created_at", "timeout_ms",
-               "trace_id", "admitted_at", "effective_priority", "degraded_from")
+               "trace_id", "admitted_at", "effective_priority", "degraded_from", "user_tier", "allow_degrade",
+               "notify_queued")
 #: The response fields it writes, in its R_* order (the model's field order, RESPONSE_FIELDS).
 WRITE_FIELDS = ("request_id", "tenant_id", "status", "reason", "output", "prompt_tokens", "completion_tokens",
                 "model", "degraded", "requested_priority", "served_priority", "created_at", "admitted_at",
