@@ -51,6 +51,7 @@ from pipeline.config import Settings
 from pipeline.dlq import dead_letter_headers
 from pipeline.errors import DecodeError, EncodeError, LlmqError
 from pipeline.gateway import faust_fixes
+from pipeline.gateway.admitlane import AdmissionLane
 from pipeline.gateway.deliveries import Deliveries, Outputs
 from pipeline.gateway.intake import Acks, BatchIntake
 from pipeline.models import Priority, Response, Status
@@ -409,6 +410,10 @@ class Gateway:
                           simple_max_tokens=g.simple_max_tokens),
             max_timeout_ms=g.max_timeout_ms)
         self.cancellations: CancellationView | None = None
+        self._dispatch_by_rank = tuple(self.dispatch_topics[p] for p in Priority)
+        self._band_names = tuple(p.value for p in Priority)
+        self._lane = AdmissionLane.build(self, now_ms=_clock_now_ms, depth_key_prefix=_DEPTH_KEY_PREFIX)
+        log.info("gateway admission lane: %s", "on" if self._lane is not None else "off")
         self._depth_loaded = False
         # A batch is handled without yielding to the event loop: kept short.
         self.batch_size = g.batch_size
@@ -448,7 +453,20 @@ class Gateway:
         tables = self._tables
         self._begin_batch()
         seen_new = self._period_seen
-        for msg in records:
+        i, n = 0, len(records)
+        while i < n:
+            if self._lane is not None:
+                # The ordinary requests from i on, in C; it stops at the first it leaves to us.
+                try:
+                    i = self._admit_in_lane(records, i, seen_new)
+                except Exception:  # noqa: BLE001 (refused before any record: the Python path takes them all)
+                    log.exception("the admission lane refused its call; admitting without it")
+                    self._lane = None
+                    continue
+                if i >= n:
+                    break
+            msg = records[i]
+            i += 1
             tables.partition = msg.partition
             try:
                 self._admit_one(msg, seen_new)
@@ -457,6 +475,23 @@ class Gateway:
                 self._dead_letter(msg, "gateway_error", f"{type(exc).__name__}: {exc}")
         self._forget_old_ids()
         self._end_batch(acks)
+
+    def _admit_in_lane(self, records: list, start: int, seen_new: dict) -> int:
+        cancelled = self.cancellations._ids if self.cancellations is not None else None
+        stop, values, keys, admitted, failure = self._lane.admit(records, start, seen_new, cancelled)
+        outputs = self._outputs
+        for rank, band_values in enumerate(values):
+            if band_values:
+                outputs.produce_many(self._dispatch_by_rank[rank], band_values, keys[rank],
+                                     bulk=rank >= self._bulk_from)
+        for rank, count in enumerate(admitted):
+            if count:
+                self.metrics.outcome(self._band_names[rank], "admitted", count)
+        if failure is not None:  # a bug: the Python path takes over, and says what happened
+            log.error("the admission lane failed at %s[%d]@%d; admitting without it from there: %r",
+                      records[stop].topic, records[stop].partition, records[stop].offset, failure)
+            self._lane = None
+        return stop
 
     def _outputs_failed(self) -> LlmqError:
         """The broker refused an output after librdkafka's retries: stop, so that a restart
@@ -666,7 +701,8 @@ class Gateway:
                 band, _, rest = str(key).partition(_SEP)
                 if band in _BAND_BY_NAME and rest.startswith("p"):
                     into[_BAND_BY_NAME[band].rank] += int(value or 0)
-        self.queues.depth = [max(0, a - f) for a, f in zip(admitted, finished)]
+        # In place: the admission lane holds the list.
+        self.queues.depth[:] = [max(0, a - f) for a, f in zip(admitted, finished)]
         if any(self.queues.depth):
             log.info("queue depths after recovery: %s",
                      ", ".join(f"{p.value} {self.queues.depth[p.rank]}" for p in Priority))
@@ -771,6 +807,11 @@ def _ack_all(acks: list[Acks]) -> None:
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def _clock_now_ms() -> int:
+    """The admission lane's clock: this module's, looked up at each call (tests replace it)."""
+    return _now_ms()
 
 
 def _credentials(settings: Settings):

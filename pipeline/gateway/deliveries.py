@@ -19,6 +19,11 @@ from confluent_kafka import Producer
 
 log = logging.getLogger(__name__)
 
+try:  # the worker lane's C loop of produce() calls, when it was built
+    from pipeline.worker._lane import produce_all as _produce_all
+except ImportError:  # pragma: no cover - no compiler
+    _produce_all = None
+
 
 class Deliveries:
     """The producers' delivery reports, served from one thread, and the batches waiting on them.
@@ -96,6 +101,29 @@ class Outputs:
                 producer.produce(topic, value, key, partition=partition, headers=headers, on_delivery=self._on_delivery)
         except BufferError:
             self._produce_when_room(producer, topic, value, key, headers, partition)
+
+    def produce_many(self, topic: str, values: list, keys: list, bulk: bool = False) -> None:
+        """Queue ``values`` (with their ``keys``) to ``topic``, in order: :meth:`produce` for each."""
+        producer = self.deliveries.bulk if bulk else self.deliveries.producer
+        on_delivery = self._on_delivery
+        self.produced += len(values)
+        start, n = 0, len(values)
+        while start < n:
+            if _produce_all is not None:
+                done = _produce_all(producer.produce, topic, values[start:] if start else values,
+                                    keys[start:] if start else keys, on_delivery, BufferError)
+            else:
+                done = 0
+                for j in range(start, n):
+                    try:
+                        producer.produce(topic, values[j], keys[j], on_delivery=on_delivery)
+                    except BufferError:
+                        break
+                    done += 1
+            start += done
+            if start < n:  # the local queue is full: this one once there is room, then the rest
+                self._produce_when_room(producer, topic, values[start], keys[start], None, None)
+                start += 1
 
     def _produce_when_room(self, producer: Producer, topic, value, key, headers, partition) -> None:
         """The producer's local queue is full: serve deliveries until it has room for this one."""

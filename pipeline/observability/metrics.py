@@ -377,8 +377,8 @@ class GatewayMetrics:
         self.registry.register(_Collector([self.requests, self.rejections, self.dead_letters, self.degraded,
                                            self.reprioritised, self.finished, self.depth, self.drain, self.load]))
 
-    def outcome(self, priority: str, outcome: str) -> None:
-        self.requests.labels(priority, outcome).value += 1
+    def outcome(self, priority: str, outcome: str, n: int = 1) -> None:
+        self.requests.labels(priority, outcome).value += n
 
 
 def serve(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1"):
