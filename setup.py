@@ -9,28 +9,16 @@ with the same results.
 
 from setuptools import Extension, setup
 
+HEADERS = ["pipeline/serde/_avro.h", "pipeline/serde/_request.h"]
+EXTENSIONS = {
+    "pipeline.serde._native": "pipeline/serde/_native.c",
+    "pipeline.worker._lane": "pipeline/worker/_lane.c",
+    "pipeline.gateway._admit": "pipeline/gateway/_admit.c",
+}
+
 setup(
     ext_modules=[
-        Extension(
-            "pipeline.serde._native",
-            sources=["pipeline/serde/_native.c"],
-            depends=["pipeline/serde/_avro.h"],
-            optional=True,
-            extra_compile_args=["-O2", "-Wall"],
-        ),
-        Extension(
-            "pipeline.worker._lane",
-            sources=["pipeline/worker/_lane.c"],
-            depends=["pipeline/serde/_avro.h", "pipeline/serde/_request.h"],
-            optional=True,
-            extra_compile_args=["-O2", "-Wall"],
-        ),
-        Extension(
-            "pipeline.gateway._admit",
-            sources=["pipeline/gateway/_admit.c"],
-            depends=["pipeline/serde/_avro.h", "pipeline/serde/_request.h"],
-            optional=True,
-            extra_compile_args=["-O2", "-Wall"],
-        ),
+        Extension(name, sources=[source], depends=HEADERS, optional=True, extra_compile_args=["-O2", "-Wall"])
+        for name, source in EXTENSIONS.items()
     ]
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 import time
 
@@ -26,3 +27,18 @@ def freeze_long_lived(service: str) -> int:
     log.info("%s: %d long-lived objects left out of garbage collection (%.0f ms)",
              service, frozen, (time.perf_counter() - t0) * 1000)
     return frozen
+
+
+def optional_extension(module: str, abi: int, without: str):
+    """The C extension ``module`` if it was built (``pip install`` builds it where a C compiler
+    is) and is the build this code expects (its ``ABI``); else None, and a stale build is
+    logged with what runs ``without`` it."""
+    try:
+        ext = importlib.import_module(module)
+    except ImportError:  # pragma: no cover - no compiler
+        return None
+    if getattr(ext, "ABI", None) != abi:  # pragma: no cover - a stale build
+        log.warning("%s is a stale build (ABI %s, expected %s); %s. Rebuild it: pip install -e .",
+                    module, getattr(ext, "ABI", None), abi, without)
+        return None
+    return ext

@@ -27,6 +27,7 @@ import os
 from pipeline.models import Priority
 from pipeline.policy.fairness import _KEY_SUFFIX
 from pipeline.policy.validation import MAX_CLOCK_SKEW_MS, MAX_TENANT_ID_CHARS, MAX_TOKENS_LIMIT, MAX_TRACE_ID_CHARS
+from pipeline.runtime import optional_extension
 from pipeline.worker.fastlane import READ_FIELDS
 
 log = logging.getLogger(__name__)
@@ -34,14 +35,7 @@ log = logging.getLogger(__name__)
 #: The build of _admit.c this code expects (its ADMIT_ABI).
 ADMIT_ABI = 1
 
-try:  # built from _admit.c by `pip install` when a C compiler is there; optional
-    from pipeline.gateway import _admit
-except ImportError:  # pragma: no cover - no compiler
-    _admit = None
-if _admit is not None and getattr(_admit, "ABI", None) != ADMIT_ABI:  # pragma: no cover - a stale build
-    log.warning("pipeline/gateway/_admit is a stale build (ABI %s, expected %s); the gateway runs without its "
-                "admission lane. Rebuild it: pip install -e .", getattr(_admit, "ABI", None), ADMIT_ABI)
-    _admit = None
+_admit = optional_extension("pipeline.gateway._admit", ADMIT_ABI, "the gateway runs without its admission lane")
 
 _NULL_FIRST, _NULL_SECOND = 0x10, 0x20  # _avro.h: which branch of a nullable union is null
 _GATEWAY_FIELDS = ("admitted_at", "effective_priority", "degraded_from")

@@ -27,6 +27,7 @@ import os
 from pipeline.models import Priority, Status
 from pipeline.observability.metrics import WAIT_BUCKETS
 from pipeline.policy.validation import MAX_CLOCK_SKEW_MS, MAX_TENANT_ID_CHARS, MAX_TOKENS_LIMIT, MAX_TRACE_ID_CHARS
+from pipeline.runtime import optional_extension
 from pipeline.serde import RESPONSE_FIELDS
 
 log = logging.getLogger(__name__)
@@ -34,14 +35,7 @@ log = logging.getLogger(__name__)
 #: The build of _lane.c this code expects (its LANE_ABI).
 LANE_ABI = 4
 
-try:  # built from _lane.c by `pip install` when a C compiler is there; optional
-    from pipeline.worker import _lane
-except ImportError:  # pragma: no cover - no compiler
-    _lane = None
-if _lane is not None and getattr(_lane, "ABI", None) != LANE_ABI:  # pragma: no cover - a stale build
-    log.warning("pipeline/worker/_lane is a stale build (ABI %s, expected %s); the worker runs without its "
-                "fast lane. Rebuild it: pip install -e .", getattr(_lane, "ABI", None), LANE_ABI)
-    _lane = None
+_lane = optional_extension("pipeline.worker._lane", LANE_ABI, "the worker runs without its fast lane")
 
 #: The request fields _lane.c reads, in its F_* order.
 READ_FIELDS = ("request_id", "tenant_id", "priority", "prompt", "model", "max_tokens", "created_at", "timeout_ms",

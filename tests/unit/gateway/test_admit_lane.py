@@ -186,65 +186,53 @@ def test_the_lane_leaves_the_state_and_writes_the_bytes_of_the_python_path(seed,
     assert lane[2] == python[2]
 
 
-def test_the_lane_admits_ordinary_requests_itself(monkeypatch, tmp_path):
+@pytest.fixture
+def lane_gateway(monkeypatch, tmp_path):
+    """A gateway with its lane, on llmq's default settings, and its request records' maker."""
     monkeypatch.setattr(gateway_app, "Producer", RecordingProducer)
     monkeypatch.setenv("LLMQ_FAST_LANE", "1")
     settings = Settings.load(env={})
-    gateway = Gateway(settings, app_id=f"lane-own-{tmp_path.name}", web_port=0, datadir=str(tmp_path / "gw"))
+    gateway = Gateway(settings, app_id=f"lane-{tmp_path.name}", web_port=0, datadir=str(tmp_path / "gw"))
     gateway._depth_loaded = True
     codec = Codec.default()
     topic = settings.topics.request_topic(Priority.NORMAL)
-    records = [SimpleNamespace(topic=topic, partition=0, offset=i, key=b"acme", headers=[],
-                               value=codec.encode_request(Request.new("acme", "hello", priority=Priority.NORMAL),
-                                                          settings.serde.wire_format, topic))
-               for i in range(50)]
-    try:
-        stop, values, keys, admitted, failure = gateway._lane.admit(records, 0, gateway._period_seen, None)
-        assert (stop, admitted, failure) == (50, [0, 0, 50, 0, 0], None)
-        assert keys[2] == [b"acme"] * 50
-        dispatched = codec.decode_request(values[2][0])
-        assert dispatched.effective_priority is Priority.NORMAL and dispatched.admitted_at is not None
-        assert gateway.queues.depth == [0, 0, 50, 0, 0]
-        assert len(gateway._seen) == 50
-    finally:
-        gateway._deliveries.close(1)
+
+    def records(values):
+        return [SimpleNamespace(topic=topic, partition=0, offset=i, key=b"acme", headers=[],
+                                value=v if not isinstance(v, Request) else
+                                codec.encode_request(v, settings.serde.wire_format, topic))
+                for i, v in enumerate(values)]
+
+    yield gateway, records
+    gateway._deliveries.close(1)
 
 
-def test_a_record_the_lane_does_not_read_is_left_to_the_python_path_unchanged(monkeypatch, tmp_path):
-    monkeypatch.setattr(gateway_app, "Producer", RecordingProducer)
-    monkeypatch.setenv("LLMQ_FAST_LANE", "1")
-    settings = Settings.load(env={})
-    gateway = Gateway(settings, app_id=f"lane-stop-{tmp_path.name}", web_port=0, datadir=str(tmp_path / "gw"))
-    gateway._depth_loaded = True
-    topic = settings.topics.request_topic(Priority.NORMAL)
-    records = [SimpleNamespace(topic=topic, partition=0, offset=0, key=b"x", headers=[], value=b"\xc3\x01junk"),
-               SimpleNamespace(topic=topic, partition=0, offset=1, key=b"x", headers=[], value=str(uuid.uuid4()))]
-    try:
-        stop, values, keys, admitted, failure = gateway._lane.admit(records, 0, gateway._period_seen, None)
-        assert (stop, admitted, failure) == (0, [0] * 5, None)
-        assert gateway._lane.admit(records, 1, gateway._period_seen, None)[0] == 1  # not bytes: left too
-        assert gateway._seen == {} and gateway.queues.depth == [0] * 5
-    finally:
-        gateway._deliveries.close(1)
+def test_the_lane_admits_ordinary_requests_itself(lane_gateway):
+    gateway, records = lane_gateway
+    recs = records([Request.new("acme", "hello", priority=Priority.NORMAL) for _ in range(50)])
+    stop, values, keys, admitted, failure = gateway._lane.admit(recs, 0, gateway._period_seen, None)
+    assert (stop, admitted, failure) == (50, [0, 0, 50, 0, 0], None)
+    assert keys[2] == [b"acme"] * 50
+    dispatched = Codec.default().decode_request(values[2][0])
+    assert dispatched.effective_priority is Priority.NORMAL and dispatched.admitted_at is not None
+    assert gateway.queues.depth == [0, 0, 50, 0, 0]
+    assert len(gateway._seen) == 50
 
 
-def test_the_cancellation_views_ordered_ids_are_read(monkeypatch, tmp_path):
+def test_a_record_the_lane_does_not_read_is_left_to_the_python_path_unchanged(lane_gateway):
+    gateway, records = lane_gateway
+    recs = records([b"\xc3\x01junk", str(uuid.uuid4())])
+    stop, values, keys, admitted, failure = gateway._lane.admit(recs, 0, gateway._period_seen, None)
+    assert (stop, admitted, failure) == (0, [0] * 5, None)
+    assert gateway._lane.admit(recs, 1, gateway._period_seen, None)[0] == 1  # not bytes: left too
+    assert gateway._seen == {} and gateway.queues.depth == [0] * 5
+
+
+def test_the_cancellation_views_ordered_ids_are_read(lane_gateway):
     from collections import OrderedDict
 
-    monkeypatch.setattr(gateway_app, "Producer", RecordingProducer)
-    monkeypatch.setenv("LLMQ_FAST_LANE", "1")
-    settings = Settings.load(env={})
-    gateway = Gateway(settings, app_id=f"lane-od-{tmp_path.name}", web_port=0, datadir=str(tmp_path / "gw"))
-    gateway._depth_loaded = True
-    codec = Codec.default()
-    topic = settings.topics.request_topic(Priority.NORMAL)
+    gateway, records = lane_gateway
     reqs = [Request.new("acme", "hello", priority=Priority.NORMAL) for _ in range(3)]
-    records = [SimpleNamespace(topic=topic, partition=0, offset=i, key=b"acme", headers=[],
-                               value=codec.encode_request(r, settings.serde.wire_format, topic))
-               for i, r in enumerate(reqs)]
-    try:
-        cancelled = OrderedDict({reqs[1].request_id: "changed my mind"})  # CancellationView keeps one
-        stop, _, _, admitted, failure = gateway._lane.admit(records, 0, gateway._period_seen, cancelled)
-        assert (stop, admitted[2], failure) == (1, 1, None)  # the cancelled one is the Python path's
-    finally:
-        gateway._deliveries.close(1)
+    cancelled = OrderedDict({reqs[1].request_id: "changed my mind"})  # CancellationView keeps one
+    stop, _, _, admitted, failure = gateway._lane.admit(records(reqs), 0, gateway._period_seen, cancelled)
+    assert (stop, admitted[2], failure) == (1, 1, None)  # the cancelled one is the Python path's
