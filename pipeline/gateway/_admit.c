@@ -14,15 +14,18 @@
  * order, by exactly one of the two, and the lane leaves the state and writes the bytes the
  * Python path would (tests/unit/gateway/test_admit_lane.py runs both on the same records).
  *
- * admit(ctx, records, start, seen_new, cancelled) -> (stop, values, keys, admitted, failure)
+ * admit(ctx, records, start, seen_new, cancelled) -> (stop, values, keys, owners, admitted, failure)
  *   stop      index of the first record left to the caller (len(records): none)
  *   values    per band index, the dispatch records of records[start:stop] (bytes); keys:
- *             their keys (the tenant)
+ *             their keys (the tenant); owners: the records they were made from
  *   admitted  per band index, how many were admitted
  *   seen_new  the gateway's ids remembered this period: partition -> [first record, [(id, source)]]
  *   cancelled the cancellation view's ids (a dict, an OrderedDict there), or None
- *   failure   None, or the exception raised while admitting records[stop] (a bug: the caller
- *             logs it and goes on without the lane); what was admitted before it is returned
+ *   failure   None, or the exception raised while admitting records[stop] (a bug, or out of
+ *             memory: the caller logs it and goes on without the lane); what was admitted
+ *             before it is returned. Every counter a record adds to is read and checked before
+ *             its first change, so a record's changes are made completely or, but for memory
+ *             running out, not at all
  *
  * ctx (built and checked by pipeline/gateway/admitlane.py):
  *   0 request program   1 field index (F_* order)   2 request header (bytes)
@@ -99,18 +102,9 @@ static int counter_of(PyObject *x, long long *out) {
     return get_ll(x, out);
 }
 
-/* _View.add(key, 1) */
-static int view_add(const View *v, PyObject *key, PyObject *partition, PyObject *clock) {
-    PyObject *old = view_get(v, key);
-    if (old == NULL) return -1;
-    long long n;
-    int bad = counter_of(old, &n);
-    Py_DECREF(old);
-    if (bad) {
-        PyErr_SetString(PyExc_TypeError, "gateway lane: a counter that is not an int");
-        return -1;
-    }
-    PyObject *value = PyLong_FromLongLong(n + 1);
+/* _View.add's write, of a value already read and checked. */
+static int view_set_ll(const View *v, PyObject *key, long long n, PyObject *partition, PyObject *clock) {
+    PyObject *value = PyLong_FromLongLong(n);
     if (value == NULL) return -1;
     int rc = view_set(v, key, value, partition, clock);
     Py_DECREF(value);
@@ -232,13 +226,24 @@ static long long floor_mod(long long a, long long m) {
 }
 
 /* The outcome for one record: 1 admitted, 0 left to the Python path, -1 error. */
+static int varint_size(int64_t v) {
+    uint64_t n = ((uint64_t)v << 1) ^ (uint64_t)(v >> 63);
+    int size = 1;
+    while (n > 0x7F) {
+        n >>= 7;
+        size++;
+    }
+    return size;
+}
+
 static int admit_one(PyObject *ctx, const Plan *p, PyObject *msg, PyObject *seen_new, PyObject *cancelled,
-                     PyObject *values, PyObject *keys, long long *admitted, double *clock_set) {
+                     PyObject *values, PyObject *keys, PyObject *owners, long long *admitted, double *clock_set) {
     int result = 0;
     PyObject *value = NULL, *rid = NULL, *tenant = NULL, *tier = NULL, *now_obj = NULL, *outlook = NULL,
              *model = NULL, *out_key = NULL, *partition = NULL, *clock = NULL, *topic = NULL, *offset = NULL,
-             *source = NULL, *out = NULL, *fkey = NULL;
+             *source = NULL, *out = NULL, *fkey = NULL, *dkey = NULL;
     PyObject *rate_keys[MAX_LIMITS] = {NULL}, *rate_used[MAX_LIMITS] = {NULL};
+    long long rate_next[MAX_LIMITS][2];
     Field f[F_COUNT];
 
     value = PyObject_GetAttr(msg, s_value);
@@ -247,10 +252,15 @@ static int admit_one(PyObject *ctx, const Plan *p, PyObject *msg, PyObject *seen
     Py_ssize_t hn = PyBytes_GET_SIZE(p->header), vn = PyBytes_GET_SIZE(value);
     const uint8_t *data = (const uint8_t *)PyBytes_AS_STRING(value);
     if (vn < hn + 3 || memcmp(data, PyBytes_AS_STRING(p->header), hn) != 0) goto done;
+    /* the native decoder's bounds (a bigger record is the Python decoder's to refuse or read) */
+    if (vn - hn > p->plan.quick || vn > p->plan.max_record) goto done;
     for (int k = 0; k < F_COUNT; k++) f[k].null = 1;
     if (!read_request(&p->plan, data + hn, data + vn, f)) goto done;
     /* What this code does not decide (the Python path does, and says why). */
     if (!f[F_ADMITTED_AT].null || !f[F_EFFECTIVE_PRIORITY].null || !f[F_DEGRADED_FROM].null || f[F_NOTIFY_QUEUED].v)
+        goto done;
+    /* read canonically, so the record ends with the three null unions, a byte each */
+    if (data[vn - 3] != 2 - p->admitted_branch || data[vn - 2] != 2 - p->eff_branch || data[vn - 1] != p->degraded_null)
         goto done;
     if (f[F_PRIORITY].v >= p->npriorities) goto done;
     long rank = p->band_of[f[F_PRIORITY].v];
@@ -276,6 +286,8 @@ static int admit_one(PyObject *ctx, const Plan *p, PyObject *msg, PyObject *seen
         goto done;
     long long latest;
     if (__builtin_add_overflow(now, p->skew, &latest) || f[F_CREATED_AT].v > latest) goto done;
+    /* the dispatched record must stay within the codec's bound too */
+    if (vn - 3 + 3 + varint_size(now) + varint_size(p->eff_index[rank]) > p->plan.max_record) goto done;
 
     rid = PyUnicode_FromStringAndSize((const char *)f[F_REQUEST_ID].s.p, f[F_REQUEST_ID].s.n);
     if (rid == NULL) goto error;
@@ -306,8 +318,7 @@ static int admit_one(PyObject *ctx, const Plan *p, PyObject *msg, PyObject *seen
     long long ahead = 0, here = 0;
     for (long b = 0; b <= rank; b++) {
         long long d;
-        if (get_ll(PyList_GET_ITEM(depth, b), &d)) goto done;
-        ahead += d;
+        if (get_ll(PyList_GET_ITEM(depth, b), &d) || __builtin_add_overflow(ahead, d, &ahead)) goto done;
         here = d;
     }
     double eta = ahead == 0 ? 0.0 : (rate > 0 ? (double)ahead * 1000.0 / rate : INFINITY);
@@ -348,7 +359,9 @@ static int admit_one(PyObject *ctx, const Plan *p, PyObject *msg, PyObject *seen
         Py_DECREF(a);
         Py_DECREF(fin);
         if (bad) goto done;
-        long long outstanding = na - nf > 0 ? na - nf : 0;
+        long long outstanding;
+        if (__builtin_sub_overflow(na, nf, &outstanding)) goto done;
+        if (outstanding < 0) outstanding = 0;
         if (outstanding >= p->fair_caps[rank]) goto done;
     }
     /* the band's bound, and the deadline against its ETA */
@@ -398,21 +411,51 @@ static int admit_one(PyObject *ctx, const Plan *p, PyObject *msg, PyObject *seen
         PyObject *used = view_get(&l->view, rate_keys[i]);
         if (used == NULL) goto error;
         rate_used[i] = used;
-        long long r = 0, t = 0;
-        if (PyObject_IsTrue(used) == 1) {
+        long long r = 0, t = 0, r1, t1;
+        int truth = PyObject_IsTrue(used);
+        if (truth < 0) goto error;
+        if (truth) {
             if (!(PyList_CheckExact(used) || PyTuple_CheckExact(used)) || PySequence_Fast_GET_SIZE(used) != 2 ||
                 get_ll(PySequence_Fast_GET_ITEM(used, 0), &r) || get_ll(PySequence_Fast_GET_ITEM(used, 1), &t))
                 goto done;
         }
-        if (l->requests && r + 1 > l->requests) goto done;
-        if (l->tokens && t + tokens > l->tokens) goto done;
+        if (__builtin_add_overflow(r, 1, &r1) || __builtin_add_overflow(t, tokens, &t1)) goto done;
+        if (l->requests && r1 > l->requests) goto done;
+        if (l->tokens && t1 > l->tokens) goto done;
+        rate_next[i][0] = r1;
+        rate_next[i][1] = t1;
     }
 
-    /* -- admitted: the state changes, in the Python path's order -- */
+    /* Admitted. The two counters it adds to are read now, so that nothing below can fail but
+     * for memory: they are what the Python path reads next too. */
     partition = PyObject_GetAttr(msg, s_partition);
+    if (partition == NULL) goto error;
+    {
+        PyObject *pstr = PyObject_Str(partition);
+        if (pstr == NULL) goto error;
+        dkey = PyUnicode_Concat(PyTuple_GET_ITEM(PyTuple_GET_ITEM(ctx, 32), rank), pstr);
+        Py_DECREF(pstr);
+        if (dkey == NULL) goto error;
+    }
+    long long outstanding_next, depth_next;
+    {
+        PyObject *a = view_get(&p->admitted, fkey);
+        if (a == NULL) goto error;
+        long long n;
+        int bad = counter_of(a, &n) || __builtin_add_overflow(n, 1, &outstanding_next);
+        Py_DECREF(a);
+        if (bad) goto done;
+        PyObject *d = view_get(&p->admitted, dkey);
+        if (d == NULL) goto error;
+        bad = counter_of(d, &n) || __builtin_add_overflow(n, 1, &depth_next);
+        Py_DECREF(d);
+        if (bad) goto done;
+    }
+
+    /* -- the state changes, in the Python path's order -- */
     topic = PyObject_GetAttr(msg, s_topic);
     offset = PyObject_GetAttr(msg, s_offset);
-    if (partition == NULL || topic == NULL || offset == NULL) goto error;
+    if (topic == NULL || offset == NULL) goto error;
     source = PyUnicode_FromFormat("%S:%S:%S", topic, partition, offset);
     if (source == NULL) goto error;
     {   /* Gateway._remember */
@@ -455,18 +498,13 @@ static int admit_one(PyObject *ctx, const Plan *p, PyObject *msg, PyObject *seen
         if (rc < 0) goto error;
     }
     for (Py_ssize_t i = 0; i < p->nlimits; i++) { /* RateLimiter.admit */
-        long long r = 0, t = 0;
-        if (PyObject_IsTrue(rate_used[i]) == 1) {
-            r = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(rate_used[i], 0));
-            t = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(rate_used[i], 1));
-        }
-        PyObject *counts = Py_BuildValue("[LL]", r + 1, t + tokens);
+        PyObject *counts = Py_BuildValue("[LL]", rate_next[i][0], rate_next[i][1]);
         if (counts == NULL) goto error;
         int rc = view_set(&p->limits[i].view, rate_keys[i], counts, partition, clock);
         Py_DECREF(counts);
         if (rc < 0) goto error;
     }
-    if (view_add(&p->admitted, fkey, partition, clock) < 0) goto error; /* FairnessQuotas.admitted */
+    if (view_set_ll(&p->admitted, fkey, outstanding_next, partition, clock) < 0) goto error; /* FairnessQuotas.admitted */
     {   /* QueueModel.admitted */
         PyObject *rank_obj = PyLong_FromLong(rank);
         if (rank_obj == NULL) goto error;
@@ -476,16 +514,7 @@ static int admit_one(PyObject *ctx, const Plan *p, PyObject *msg, PyObject *seen
         if (r == NULL) goto error;
         Py_DECREF(r);
     }
-    {   /* the band's depth, per request partition */
-        PyObject *pstr = PyObject_Str(partition);
-        if (pstr == NULL) goto error;
-        PyObject *dkey = PyUnicode_Concat(PyTuple_GET_ITEM(PyTuple_GET_ITEM(ctx, 32), rank), pstr);
-        Py_DECREF(pstr);
-        if (dkey == NULL) goto error;
-        int rc = view_add(&p->admitted, dkey, partition, clock);
-        Py_DECREF(dkey);
-        if (rc < 0) goto error;
-    }
+    if (view_set_ll(&p->admitted, dkey, depth_next, partition, clock) < 0) goto error; /* the band's depth */
     {   /* the dispatched record: the request's bytes with admitted_at and effective_priority set */
         uint8_t local[1024];
         Writer w = {local, 0, sizeof local, local};
@@ -511,7 +540,7 @@ static int admit_one(PyObject *ctx, const Plan *p, PyObject *msg, PyObject *seen
     }
     out_key = PyBytes_FromStringAndSize((const char *)f[F_TENANT_ID].s.p, f[F_TENANT_ID].s.n);
     if (out_key == NULL || PyList_Append(PyList_GET_ITEM(values, rank), out) < 0 ||
-        PyList_Append(PyList_GET_ITEM(keys, rank), out_key) < 0)
+        PyList_Append(PyList_GET_ITEM(keys, rank), out_key) < 0 || PyList_Append(PyList_GET_ITEM(owners, rank), msg) < 0)
         goto error;
     admitted[rank]++;
     result = 1;
@@ -534,6 +563,7 @@ done:
     Py_XDECREF(source);
     Py_XDECREF(out);
     Py_XDECREF(fkey);
+    Py_XDECREF(dkey);
     for (int i = 0; i < MAX_LIMITS; i++) {
         Py_XDECREF(rate_keys[i]);
         Py_XDECREF(rate_used[i]);
@@ -559,10 +589,11 @@ static PyObject *admit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     Py_ssize_t start = PyLong_AsSsize_t(args[2]);
     if (start == -1 && PyErr_Occurred()) return NULL;
     PyObject *records = args[1];
-    PyObject *values = list_of_lists(), *keys = list_of_lists();
-    if (values == NULL || keys == NULL) {
+    PyObject *values = list_of_lists(), *keys = list_of_lists(), *owners = list_of_lists();
+    if (values == NULL || keys == NULL || owners == NULL) {
         Py_XDECREF(values);
         Py_XDECREF(keys);
+        Py_XDECREF(owners);
         return NULL;
     }
     long long admitted[NBANDS] = {0};
@@ -571,8 +602,8 @@ static PyObject *admit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     Py_INCREF(failure);
     Py_ssize_t i = start < 0 ? 0 : start, n = PyList_GET_SIZE(records);
     for (; i < n; i++) {
-        int rc = admit_one(args[0], &plan, PyList_GET_ITEM(records, i), args[3], args[4], values, keys, admitted,
-                           &clock_set);
+        int rc = admit_one(args[0], &plan, PyList_GET_ITEM(records, i), args[3], args[4], values, keys, owners,
+                           admitted, &clock_set);
         if (rc < 0) {
             /* What was admitted before it is returned all the same: its state is changed. */
             PyObject *type, *exc, *tb;
@@ -588,13 +619,13 @@ static PyObject *admit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
         }
         if (rc == 0) break;
     }
-    return Py_BuildValue("(nNN[LLLLL]N)", i, values, keys, admitted[0], admitted[1], admitted[2], admitted[3],
-                         admitted[4], failure);
+    return Py_BuildValue("(nNNN[LLLLL]N)", i, values, keys, owners, admitted[0], admitted[1], admitted[2],
+                         admitted[3], admitted[4], failure);
 }
 
 static PyMethodDef methods[] = {
     {"admit", (PyCFunction)(void (*)(void))admit, METH_FASTCALL,
-     "admit(ctx, records, start, seen_new, cancelled) -> (stop, values, keys, admitted, failure)"},
+     "admit(ctx, records, start, seen_new, cancelled) -> (stop, values, keys, owners, admitted, failure)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -604,7 +635,7 @@ static struct PyModuleDef module = {
 };
 
 /* The context layout and results this file implements; admitlane.py refuses any other. */
-#define ADMIT_ABI 1
+#define ADMIT_ABI 2
 
 PyMODINIT_FUNC PyInit__admit(void) {
     if ((s_value = PyUnicode_InternFromString("value")) == NULL ||

@@ -33,7 +33,7 @@ from pipeline.worker.fastlane import READ_FIELDS
 log = logging.getLogger(__name__)
 
 #: The build of _admit.c this code expects (its ADMIT_ABI).
-ADMIT_ABI = 1
+ADMIT_ABI = 2
 
 _admit = optional_extension("pipeline.gateway._admit", ADMIT_ABI, "the gateway runs without its admission lane")
 
@@ -56,7 +56,7 @@ class AdmissionLane:
         self._admit = _admit.admit
 
     def admit(self, records: list, start: int, seen_new: dict, cancelled: dict | None) -> tuple:
-        """``(stop, values, keys, admitted)``: see ``_admit.c``."""
+        """``(stop, values, keys, owners, admitted, failure)``: see ``_admit.c``."""
         return self._admit(self.ctx, records, start, seen_new, cancelled)
 
     @classmethod

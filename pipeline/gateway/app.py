@@ -457,12 +457,7 @@ class Gateway:
         while i < n:
             if self._lane is not None:
                 # The ordinary requests from i on, in C; it stops at the first it leaves to us.
-                try:
-                    i = self._admit_in_lane(records, i, seen_new)
-                except Exception:  # noqa: BLE001 (refused before any record: the Python path takes them all)
-                    log.exception("the admission lane refused its call; admitting without it")
-                    self._lane = None
-                    continue
+                i = self._admit_in_lane(records, i, seen_new)
                 if i >= n:
                     break
             msg = records[i]
@@ -478,20 +473,32 @@ class Gateway:
 
     def _admit_in_lane(self, records: list, start: int, seen_new: dict) -> int:
         cancelled = self.cancellations._ids if self.cancellations is not None else None
-        stop, values, keys, admitted, failure = self._lane.admit(records, start, seen_new, cancelled)
+        try:
+            stop, values, keys, owners, admitted, failure = self._lane.admit(records, start, seen_new, cancelled)
+        except Exception:  # noqa: BLE001 (refused before any record: the Python path takes them all)
+            log.exception("the admission lane refused its call; admitting without it")
+            self._lane = None
+            return start
         outputs = self._outputs
         for rank, band_values in enumerate(values):
             if band_values:
-                outputs.produce_many(self._dispatch_by_rank[rank], band_values, keys[rank],
-                                     bulk=rank >= self._bulk_from)
+                band_owners = owners[rank]
+                outputs.produce_many(self._dispatch_by_rank[rank], band_values, keys[rank], bulk=rank >= self._bulk_from,
+                                     on_error=lambda j, exc, owners=band_owners: self._lane_output_failed(owners[j], exc))
         for rank, count in enumerate(admitted):
             if count:
                 self.metrics.outcome(self._band_names[rank], "admitted", count)
-        if failure is not None:  # a bug: the Python path takes over, and says what happened
+        if failure is not None:  # a bug, or no memory left: the Python path takes over
             log.error("the admission lane failed at %s[%d]@%d; admitting without it from there: %r",
                       records[stop].topic, records[stop].partition, records[stop].offset, failure)
             self._lane = None
         return stop
+
+    def _lane_output_failed(self, msg, exc: Exception) -> None:
+        """A dispatch the producer refused (not for want of room): as when the Python path's
+        output fails, the request is dead-lettered and the batch goes on."""
+        log.error("admitting %s[%d]@%d failed: %r", msg.topic, msg.partition, msg.offset, exc)
+        self._dead_letter(msg, "gateway_error", f"{type(exc).__name__}: {exc}")
 
     def _outputs_failed(self) -> LlmqError:
         """The broker refused an output after librdkafka's retries: stop, so that a restart

@@ -93,7 +93,6 @@ class Outputs:
                 bulk: bool = False) -> None:
         """Queue one output (``bulk``: through the producer that waits longer to batch)."""
         producer = self.deliveries.bulk if bulk else self.deliveries.producer
-        self.produced += 1
         try:
             if partition is None:
                 producer.produce(topic, value, key, headers=headers, on_delivery=self._on_delivery)
@@ -101,29 +100,32 @@ class Outputs:
                 producer.produce(topic, value, key, partition=partition, headers=headers, on_delivery=self._on_delivery)
         except BufferError:
             self._produce_when_room(producer, topic, value, key, headers, partition)
+        # Counted once queued: an output the producer refuses outright is never delivered, and
+        # counted it would hold back the batch's acknowledgement for ever.
+        self.produced += 1
 
-    def produce_many(self, topic: str, values: list, keys: list, bulk: bool = False) -> None:
-        """Queue ``values`` (with their ``keys``) to ``topic``, in order: :meth:`produce` for each."""
+    def produce_many(self, topic: str, values: list, keys: list, bulk: bool = False, on_error=None) -> None:
+        """Queue ``values`` (with their ``keys``) to ``topic`` in order, as :meth:`produce` would one
+        by one; ``on_error(j, exc)`` is told of each one the producer refuses (not for want of
+        room: those wait for it), and the others go on."""
         producer = self.deliveries.bulk if bulk else self.deliveries.producer
         on_delivery = self._on_delivery
-        self.produced += len(values)
         start, n = 0, len(values)
         while start < n:
-            if _produce_all is not None:
+            if _produce_all is not None:  # a C loop: stops at the first produce() that raises
                 done = _produce_all(producer.produce, topic, values[start:] if start else values,
-                                    keys[start:] if start else keys, on_delivery, BufferError)
-            else:
-                done = 0
-                for j in range(start, n):
-                    try:
-                        producer.produce(topic, values[j], keys[j], on_delivery=on_delivery)
-                    except BufferError:
-                        break
-                    done += 1
-            start += done
-            if start < n:  # the local queue is full: this one once there is room, then the rest
-                self._produce_when_room(producer, topic, values[start], keys[start], None, None)
-                start += 1
+                                    keys[start:] if start else keys, on_delivery, Exception)
+                self.produced += done
+                start += done
+                if start >= n:
+                    return
+            try:  # this one the careful way
+                self.produce(topic, values[start], keys[start], bulk=bulk)
+            except Exception as exc:  # noqa: BLE001 (the caller answers for it; the rest go on)
+                if on_error is None:
+                    raise
+                on_error(start, exc)
+            start += 1
 
     def _produce_when_room(self, producer: Producer, topic, value, key, headers, partition) -> None:
         """The producer's local queue is full: serve deliveries until it has room for this one."""

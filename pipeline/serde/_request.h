@@ -130,6 +130,20 @@ static int request_plan(RequestPlan *plan, PyObject *program, PyObject *index) {
     return 0;
 }
 
+/* A varint in its shortest form only (a padded one, e.g. 80 00 for 0, decodes the same but
+ * is not what a writer produces: the gateway's lane copies the request's bytes). */
+static int read_int_canonical(Reader *r, int64_t *out) {
+    const uint8_t *start = r->p;
+    if (read_int(r, out) < 0) return -1;
+    return r->p - start > 1 && r->p[-1] == 0 ? -1 : 0;
+}
+
+static int read_long_canonical(Reader *r, int64_t *out) {
+    const uint8_t *start = r->p;
+    if (read_long(r, out) < 0) return -1;
+    return r->p - start > 1 && r->p[-1] == 0 ? -1 : 0;
+}
+
 /* Read the request body [p, end) in place into f[F_*]. 1: read completely, canonically
  * and within the caps; 0: leave the message to the Python path. */
 static int read_request(const RequestPlan *plan, const uint8_t *p, const uint8_t *end, Field *f) {
@@ -139,7 +153,7 @@ static int read_request(const RequestPlan *plan, const uint8_t *p, const uint8_t
         Field field = {0, {NULL, 0, 0}, 0};
         if (op & (NULL_FIRST | NULL_SECOND)) {
             int64_t branch;
-            if (read_int(&r, &branch) < 0) return 0;
+            if (read_int_canonical(&r, &branch) < 0) return 0;
             int null_branch = (op & NULL_FIRST) ? 0 : 1;
             if (branch == null_branch) {
                 field.null = 1;
@@ -151,7 +165,7 @@ static int read_request(const RequestPlan *plan, const uint8_t *p, const uint8_t
         switch (op & OP_TYPE) {
         case OP_STRING: {
             int64_t n;
-            if (read_long(&r, &n) < 0 || n < 0 || n > r.end - r.p) return 0;
+            if (read_long_canonical(&r, &n) < 0 || n < 0 || n > r.end - r.p) return 0;
             if (plan->cap[i] >= 0 && n > plan->cap[i]) return 0;
             if (!utf8_ok(r.p, (Py_ssize_t)n, &field.s.chars)) return 0;
             field.s.p = r.p;
@@ -160,20 +174,20 @@ static int read_request(const RequestPlan *plan, const uint8_t *p, const uint8_t
             break;
         }
         case OP_INT:
-            if (read_int(&r, &field.v) < 0) return 0;
+            if (read_int_canonical(&r, &field.v) < 0) return 0;
             break;
         case OP_LONG:
-            if (read_long(&r, &field.v) < 0) return 0;
+            if (read_long_canonical(&r, &field.v) < 0) return 0;
             break;
         case OP_BOOL:
             if (r.p >= r.end || *r.p > 1) return 0;
             field.v = *r.p++;
             break;
         case OP_ENUM:
-            if (read_int(&r, &field.v) < 0 || field.v < 0 || field.v >= plan->members[i]) return 0;
+            if (read_int_canonical(&r, &field.v) < 0 || field.v < 0 || field.v >= plan->members[i]) return 0;
             break;
         case OP_MAP: /* only an empty one: entries are the Python path's to bound and check */
-            if (read_long(&r, &field.v) < 0 || field.v != 0) return 0;
+            if (read_long_canonical(&r, &field.v) < 0 || field.v != 0) return 0;
             break;
         default:
             return 0;

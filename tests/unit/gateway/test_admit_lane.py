@@ -102,10 +102,10 @@ def _requests(rng: random.Random, now_ms: int, n: int, ordinary: float) -> list:
     return out
 
 
-def _run(lane_on: bool, monkeypatch, tmp_path, batches) -> tuple:
+def _run(lane_on: bool, monkeypatch, tmp_path, batches, settings: Settings | None = None) -> tuple:
     monkeypatch.setattr(gateway_app, "Producer", RecordingProducer)
     monkeypatch.setenv("LLMQ_FAST_LANE", "1" if lane_on else "0")
-    settings = _settings()
+    settings = settings or _settings()
     gateway = Gateway(settings, app_id=f"lane-{tmp_path.name}", web_port=0,
                       datadir=str(tmp_path / f"gw-{lane_on}"))
     assert (gateway._lane is not None) == lane_on
@@ -210,7 +210,7 @@ def lane_gateway(monkeypatch, tmp_path):
 def test_the_lane_admits_ordinary_requests_itself(lane_gateway):
     gateway, records = lane_gateway
     recs = records([Request.new("acme", "hello", priority=Priority.NORMAL) for _ in range(50)])
-    stop, values, keys, admitted, failure = gateway._lane.admit(recs, 0, gateway._period_seen, None)
+    stop, values, keys, owners, admitted, failure = gateway._lane.admit(recs, 0, gateway._period_seen, None)
     assert (stop, admitted, failure) == (50, [0, 0, 50, 0, 0], None)
     assert keys[2] == [b"acme"] * 50
     dispatched = Codec.default().decode_request(values[2][0])
@@ -222,7 +222,7 @@ def test_the_lane_admits_ordinary_requests_itself(lane_gateway):
 def test_a_record_the_lane_does_not_read_is_left_to_the_python_path_unchanged(lane_gateway):
     gateway, records = lane_gateway
     recs = records([b"\xc3\x01junk", str(uuid.uuid4())])
-    stop, values, keys, admitted, failure = gateway._lane.admit(recs, 0, gateway._period_seen, None)
+    stop, values, keys, owners, admitted, failure = gateway._lane.admit(recs, 0, gateway._period_seen, None)
     assert (stop, admitted, failure) == (0, [0] * 5, None)
     assert gateway._lane.admit(recs, 1, gateway._period_seen, None)[0] == 1  # not bytes: left too
     assert gateway._seen == {} and gateway.queues.depth == [0] * 5
@@ -234,5 +234,116 @@ def test_the_cancellation_views_ordered_ids_are_read(lane_gateway):
     gateway, records = lane_gateway
     reqs = [Request.new("acme", "hello", priority=Priority.NORMAL) for _ in range(3)]
     cancelled = OrderedDict({reqs[1].request_id: "changed my mind"})  # CancellationView keeps one
-    stop, _, _, admitted, failure = gateway._lane.admit(records(reqs), 0, gateway._period_seen, cancelled)
+    stop, _, _, _, admitted, failure = gateway._lane.admit(records(reqs), 0, gateway._period_seen, cancelled)
     assert (stop, admitted[2], failure) == (1, 1, None)  # the cancelled one is the Python path's
+
+
+# -- bytes the Python decoder reads but a writer does not produce ------------------------------
+
+AT = 1_800_000_000_000
+
+
+def _varint(n: int, pad: int = 0) -> bytes:
+    """Avro's zig-zag varint of ``n``, padded with ``pad`` needless bytes (80 .. 00)."""
+    u = (n << 1) ^ (n >> 63)
+    out = bytearray()
+    while u > 0x7F:
+        out.append((u & 0x7F) | 0x80)
+        u >>= 7
+    if pad:
+        out.append(u | 0x80)
+        out += b"\x80" * (pad - 1) + b"\x00"
+    else:
+        out.append(u)
+    return bytes(out)
+
+
+def _string(text: str, pad: int = 0) -> bytes:
+    data = text.encode()
+    return _varint(len(data), pad) + data
+
+
+def _body(prompt: str = "hello", pads: dict | None = None) -> bytes:
+    """An LLMRequest body, field by field (the schema's order), some varints padded."""
+    p = pads or {}
+    return (_string(str(uuid.uuid4())) + _string("acme") + _varint(2, p.get("priority", 0))
+            + _string(prompt, p.get("prompt", 0)) + _string("other") + _varint(16, p.get("max_tokens", 0))
+            + _varint(AT) + _varint(600_000) + _string("standard") + _varint(1) + b"\x00" + b"\x00"
+            + _varint(0, p.get("trace_id", 0)) + _varint(0, p.get("metadata", 0)) + _varint(0) + _varint(0)
+            + _varint(0, p.get("degraded_from", 0)))
+
+
+def _compare(monkeypatch, tmp_path, bodies, settings: Settings | None = None):
+    settings = settings or _settings()
+    header = Codec.default()._fast_request_header
+    topic = settings.topics.request_topic(Priority.NORMAL)
+    records = [SimpleNamespace(topic=topic, partition=0, offset=i, key=b"k", headers=[], value=header + b)
+               for i, b in enumerate(bodies)]
+    batches = [(AT, {}, records)]
+    python = _run(False, monkeypatch, tmp_path, batches, settings)
+    lane = _run(True, monkeypatch, tmp_path, batches, settings)
+    assert lane == python
+    return python
+
+
+def test_the_written_body_is_the_one_the_lane_reads():
+    value = Codec.default()._fast_request_header + _body()
+    assert Codec.default().decode_request(value).tenant_id == "acme"
+
+
+@pytest.mark.parametrize("field", ["priority", "prompt", "max_tokens", "trace_id", "metadata", "degraded_from"])
+def test_a_padded_varint_is_left_to_the_python_path_which_writes_it_short(field, monkeypatch, tmp_path):
+    python = _compare(monkeypatch, tmp_path, [_body(pads={field: 1}), _body()])
+    dispatched = python[1]["llm.dispatch.normal"]
+    assert len(dispatched) == 2
+    for value, *_ in dispatched:
+        assert Codec.default().decode_request(value).effective_priority is Priority.NORMAL
+
+
+@pytest.mark.parametrize("prompt_chars", [3_000, 4_093, 4_094, 4_096, 4_200])
+def test_records_at_the_record_size_bound_go_where_the_python_path_sends_them(prompt_chars, monkeypatch, tmp_path):
+    settings = _settings()
+    settings.serde.max_record_bytes = 8192  # "é" is two bytes: bodies and dispatches around the bound
+    _compare(monkeypatch, tmp_path, [_body("\u00e9" * prompt_chars)], settings)
+
+
+def test_a_counter_that_is_not_an_int_leaves_the_request_to_the_python_path(lane_gateway):
+    gateway, records = lane_gateway
+    gateway._admitted.values["NORMAL\x1fp0"] = 1.5  # the band's depth on partition 0, oddly kept
+
+    async def run():
+        gateway._admit_events(records([Request.new("acme", "hello", priority=Priority.NORMAL)]), FakeAcks())
+
+    asyncio.run(run())
+    assert gateway._lane is not None  # nothing failed: the lane left the request before changing anything
+    assert sum(1 for t, *_ in gateway.out.sent if t.endswith(".dispatch.normal")) == 1
+    assert gateway.queues.depth == [0, 0, 1, 0, 0] and gateway._admitted.values["NORMAL\x1fp0"] == 2.5
+
+
+def test_a_dispatch_the_producer_refuses_is_dead_lettered_and_the_batch_goes_on(lane_gateway):
+    from confluent_kafka import KafkaError, KafkaException
+
+    gateway, records = lane_gateway
+    sent, produce = [], gateway.out.produce
+
+    def refuse_the_third(topic, value, key=None, headers=None, on_delivery=None, partition=None):
+        if ".dispatch." in topic:
+            if value not in sent:
+                sent.append(value)
+            if len(sent) >= 3 and value == sent[2]:  # the third one, every time it is tried
+                raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
+        produce(topic, value, key, headers, on_delivery, partition)
+
+    gateway.out.produce = refuse_the_third
+    gateway.bulk_out.produce = refuse_the_third
+
+    async def run():
+        gateway._admit_events(records([Request.new("acme", "hello", priority=Priority.NORMAL) for _ in range(4)]),
+                              FakeAcks())
+        period = gateway._period
+        assert period.produced == period.delivered  # the refused one is not waited for
+
+    asyncio.run(run())
+    topics = [t for t, *_ in gateway.out.sent]
+    assert topics.count("llm.dispatch.normal") == 3 and topics.count("llm.dlq") == 1
+    assert gateway._lane is not None
