@@ -225,7 +225,9 @@ class WorkerSettings:
     batch_size: int = 500
     #: How often finished offsets are committed (they are also committed on revoke/shutdown).
     commit_interval_ms: int = 500
-    #: How long to wait for the poll when nothing is buffered (the idle wake-up).
+    #: The longest an idle worker waits before it looks again (commits, cancellations, the
+    #: backlog). With no backend call in flight it waits in the consumer's poll, which returns
+    #: as soon as a message arrives; with calls in flight it sleeps this long between polls.
     idle_poll_ms: int = 5
     #: How long responses wait to be sent together (linger.ms of the worker's producer; a
     #: linger.ms in [kafka.properties] still wins). 1 ms takes ~4 ms off a response's way, at

@@ -244,6 +244,7 @@ class Worker:
         session_s = cfg.session_timeout_ms / 1000.0
         last_turn = time.monotonic()
         hold_until = 0.0
+        wait_in_poll = False  # idle with nothing in flight: the next poll waits for a message itself
         while not self._stop.is_set() and self._fatal is None and not self._restart:
             now = time.monotonic()
             if now - last_turn > session_s:
@@ -259,6 +260,14 @@ class Worker:
             # Always poll: it serves rebalances and keeps max.poll.interval.ms satisfied, even
             # while every backend slot is busy (full bands are paused, so nothing piles up).
             msgs = consumer.consume(batch, 0)
+            if not msgs and wait_in_poll:
+                # librdkafka wakes this as soon as a message arrives, where a sleep of idle_s
+                # would add up to idle_s to its wait (about half of it on average). Blocking the
+                # event loop costs nothing here: no backend call is in flight.
+                msgs = consumer.consume(1, idle_s)
+                if msgs and batch > 1:
+                    msgs += consumer.consume(batch - 1, 0)
+            wait_in_poll = False
             if self._assignment_changed:
                 self._assignment_changed = False
                 self._reapply_pauses()
@@ -284,7 +293,11 @@ class Worker:
                 except asyncio.TimeoutError:
                     pass
             elif not msgs and not dispatched:
-                await asyncio.sleep(idle_s)
+                if self._tasks:
+                    await asyncio.sleep(idle_s)
+                else:
+                    wait_in_poll = True
+                    await asyncio.sleep(0)
             elif self._tasks:
                 await asyncio.sleep(0)
 
