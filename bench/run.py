@@ -235,7 +235,7 @@ def _group_members(settings: Settings, group: str) -> int:
     admin = AdminClient(settings.kafka.admin_config())
     try:
         desc = admin.describe_consumer_groups([group])[group].result(10)
-    except KafkaException:  # e.g. NOT_COORDINATOR while the group coordinator loads: ask again
+    except (KafkaException, TimeoutError):  # the coordinator loads (a fresh broker's first group): ask again
         return 0
     if str(desc.state).split(".")[-1] != "STABLE":
         return 0
