@@ -1,8 +1,7 @@
 """`make bench`: benchmark scenarios on a real local broker, compared side by side in one run.
 
 Each scenario measures llmq and a baseline on the same broker, same messages, same run,
-alternating rounds so machine noise hits both; it reports medians and their ratio. Every
-scenario gets a fresh broker of its own (or the one LLMQ_BENCH_BOOTSTRAP names, shared).
+alternating rounds so machine noise hits both; it reports medians and their ratio.
 Results are merged into bench/results.json under ``scenarios.<name>``.
 
     python bench/run.py                       # every scenario, default sizes
@@ -400,7 +399,6 @@ def _conditions(args, kafka_version: str) -> dict:
     import fastavro
 
     from pipeline.serde import fastpath
-    from pipeline.gateway.admitlane import lane_available as admission_lane_available
     from pipeline.worker.fastlane import lane_available
 
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpus": os.cpu_count(),
@@ -408,8 +406,7 @@ def _conditions(args, kafka_version: str) -> dict:
             "librdkafka": confluent_kafka.libversion()[0], "fastavro": fastavro.__version__,
             "kafka": kafka_version, "messages": args.messages, "rounds": args.rounds,
             "prompt_bytes": args.prompt_bytes, "native_codec": fastpath.native_available(),
-            "fast_lane": lane_available(), "admission_lane": admission_lane_available(),
-            "broker": "a fresh one per scenario" if not os.environ.get("LLMQ_BENCH_BOOTSTRAP") else "external"}
+            "fast_lane": lane_available()}
 
 
 def main(argv=None) -> int:
@@ -423,37 +420,31 @@ def main(argv=None) -> int:
     chosen = args.scenarios or list(SCENARIOS)
 
     base = Settings.load(env={})
-    external = os.environ.get("LLMQ_BENCH_BOOTSTRAP")
+    broker = None
+    bootstrap = os.environ.get("LLMQ_BENCH_BOOTSTRAP")
     tmp = tempfile.TemporaryDirectory(prefix="llmq-bench-")
+    if not bootstrap:
+        broker = LocalBroker(_free_port(), Path(tmp.name) / "kafka", kafka_version=base.broker.kafka_version,
+                             heap="1g", progress=_log)
+        _log(f"starting a benchmark broker at {broker.bootstrap}")
+        broker.up()
+        bootstrap = broker.bootstrap
     # As `llmq worker` does at start (the workers measured here run in this process).
     freeze_long_lived("bench")
     results = {}
     try:
-        for i, name in enumerate(chosen):
-            # Each scenario on a broker of its own: end_to_end_latency measured p99 41-53 ms on a
-            # fresh one and 47-72 ms after the other scenarios on the same broker (their hundreds
-            # of topics, created and deleted, and the heap they left).
-            broker, bootstrap = None, external
-            if not external:
-                broker = LocalBroker(_free_port(), Path(tmp.name) / f"kafka-{i}", kafka_version=base.broker.kafka_version,
-                                     heap="1g", progress=_log)
-                _log(f"{name}: starting a benchmark broker at {broker.bootstrap}")
-                broker.up()
-                bootstrap = broker.bootstrap
+        for name in chosen:
+            settings = Settings.load(env={})
+            settings.kafka.bootstrap = bootstrap
+            settings.topics.prefix = f"bench{uuid.uuid4().hex[:6]}.llm"
+            create_pipeline_topics(settings)
             try:
-                settings = Settings.load(env={})
-                settings.kafka.bootstrap = bootstrap
-                settings.topics.prefix = f"bench{uuid.uuid4().hex[:6]}.llm"
-                create_pipeline_topics(settings)
-                try:
-                    results[name] = SCENARIOS[name](settings, args)
-                finally:
-                    if broker is None:  # a shared broker: the next scenario starts without these topics
-                        _drop_bench_topics(bootstrap)
+                results[name] = SCENARIOS[name](settings, args)
             finally:
-                if broker is not None:
-                    broker.down()
+                _drop_bench_topics(bootstrap, broker.data_dir / "data" if broker is not None else None)
     finally:
+        if broker is not None:
+            broker.down()
         tmp.cleanup()
 
     existing = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
