@@ -43,6 +43,13 @@ from pipeline.worker.backends.simulated import SimulatedBackend  # noqa: E402
 from pipeline.worker.loop import Worker  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results.json"
+
+#: JVM options of the broker this benchmark starts. Empty: the JVM's optimising JIT, as a
+#: production broker runs. The local development broker (``llmq broker up``, tests, demo) keeps
+#: the quick tier only (``broker.jvm_options``), which serves a short-lived broker's first
+#: minute better; over a benchmark's minutes the optimised code costs the broker about a
+#: quarter less CPU per request (BENCHMARKS.md, 2026-12-01 14:50 UTC).
+BENCH_BROKER_JVM_OPTIONS = os.environ.get("LLMQ_BENCH_BROKER_JVM_OPTIONS", "")
 SCALING_TENANTS = 1000
 SCALING_MODEL_MS = 40
 SCALING_INFLIGHT = 16
@@ -394,6 +401,64 @@ def _drop_bench_topics(bootstrap: str, log_dir: Path | None = None) -> None:
     _log(f"  deleted the scenario's {len(names)} topics")
 
 
+def _warm_broker(bootstrap: str, seconds: float) -> None:
+    """Traffic of the kinds the scenarios send, before the first one is measured: bulk batches,
+    and single small messages over many partitions (a produce request and a fetch each), read
+    back by a consumer. The optimising JIT compiles the broker's request paths during its first
+    minutes of traffic, at up to a core of CPU; measured meanwhile, that is neither llmq's cost
+    nor a baseline's, and it would hit whichever ran first."""
+    settings = Settings.load(env={})
+    settings.kafka.bootstrap = bootstrap
+    from confluent_kafka.admin import AdminClient
+
+    topic = f"bench{uuid.uuid4().hex[:6]}.llm.broker-warm-up"
+    ensure_topics(AdminClient(settings.kafka.admin_config()), [TopicSpec(topic, 12, 1)])
+    stop = threading.Event()
+    read = [0]
+
+    def consume() -> None:
+        consumer = Consumer(settings.kafka.consumer_config(f"bench-warm-{uuid.uuid4().hex[:8]}",
+                                                           **{"fetch.wait.max.ms": 5}))
+        consumer.subscribe([topic])
+        try:
+            while not stop.is_set():
+                read[0] += len(consumer.consume(1000, 0.05))
+        finally:
+            consumer.close()
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    bulk = Producer(settings.kafka.producer_config(**{"linger.ms": 20}))
+    single = Producer(settings.kafka.producer_config(**{"linger.ms": 1}))
+    value = b"x" * 200
+    sent = 0
+    t0 = last_report = time.monotonic()
+    try:
+        while time.monotonic() - t0 < seconds:
+            for i in range(20_000):
+                while True:
+                    try:
+                        bulk.produce(topic, value, str(i % 50).encode())
+                        break
+                    except BufferError:
+                        bulk.poll(0.01)
+            bulk.poll(0)
+            second = time.monotonic()
+            for i in range(1000):
+                single.produce(topic, value, str(i).encode())
+                single.poll(0)
+                time.sleep(max(0.0, second + (i + 1) / 1000 - time.monotonic()))
+            sent += 21_000
+            if time.monotonic() - last_report >= 15:
+                _log(f"  warming the broker: {time.monotonic() - t0:.0f}/{seconds:.0f} s, {sent:,} sent, {read[0]:,} read")
+                last_report = time.monotonic()
+        bulk.flush(60)
+        single.flush(60)
+    finally:
+        stop.set()
+        reader.join(30)
+
+
 def _conditions(args, kafka_version: str) -> dict:
     import confluent_kafka
     import fastavro
@@ -406,7 +471,8 @@ def _conditions(args, kafka_version: str) -> dict:
             "librdkafka": confluent_kafka.libversion()[0], "fastavro": fastavro.__version__,
             "kafka": kafka_version, "messages": args.messages, "rounds": args.rounds,
             "prompt_bytes": args.prompt_bytes, "native_codec": fastpath.native_available(),
-            "fast_lane": lane_available()}
+            "fast_lane": lane_available(), "broker_jvm_options": BENCH_BROKER_JVM_OPTIONS,
+            "broker_warm_up_s": args.broker_warm_up}
 
 
 def main(argv=None) -> int:
@@ -416,8 +482,14 @@ def main(argv=None) -> int:
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prompt-bytes", type=int, default=512)
+    parser.add_argument("--broker-warm-up", type=float, default=60, metavar="SECONDS",
+                        help="traffic through the broker this run starts before the first scenario, while "
+                             "its JIT compiles (default 60; 0: none)")
     args = parser.parse_args(argv)
     chosen = args.scenarios or list(SCENARIOS)
+    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C: the scenario's processes and the
+    # broker this run started are stopped in the finally blocks instead of being left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     base = Settings.load(env={})
     broker = None
@@ -425,14 +497,20 @@ def main(argv=None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="llmq-bench-")
     if not bootstrap:
         broker = LocalBroker(_free_port(), Path(tmp.name) / "kafka", kafka_version=base.broker.kafka_version,
-                             heap="1g", progress=_log)
-        _log(f"starting a benchmark broker at {broker.bootstrap}")
+                             heap="1g", progress=_log, jvm_options=BENCH_BROKER_JVM_OPTIONS)
+        _log(f"starting a benchmark broker at {broker.bootstrap} (JVM options: {BENCH_BROKER_JVM_OPTIONS or 'none'})")
         broker.up()
         bootstrap = broker.bootstrap
     # As `llmq worker` does at start (the workers measured here run in this process).
     freeze_long_lived("bench")
     results = {}
     try:
+        if broker is not None and args.broker_warm_up > 0:
+            _log(f"warming the broker for {args.broker_warm_up:.0f} s")
+            try:
+                _warm_broker(bootstrap, args.broker_warm_up)
+            finally:
+                _drop_bench_topics(bootstrap, broker.data_dir / "data")
         for name in chosen:
             settings = Settings.load(env={})
             settings.kafka.bootstrap = bootstrap
