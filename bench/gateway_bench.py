@@ -187,7 +187,10 @@ def produce_paced(settings: Settings, schedule, *, codec: Codec | None = None, l
             req.created_at = int(time.time() * 1000)
         produce_request(producer, settings, codec, req)
         n += 1
-    producer.flush(60)
+    left = producer.flush(60)
+    if left:
+        # Said here, where it happens, rather than as answers that never come a minute later.
+        raise RuntimeError(f"{left} of {n} requests still undelivered to {settings.kafka.bootstrap} after 60 s")
     return n
 
 
