@@ -27,7 +27,7 @@
    recovery, so their records were fetched and never read, and while a fetched partition's
    records wait to be read aiokafka sends that broker no fetch for ``prefetch_backoff``
    (100 ms): each first write to a changelog partition held admission up to 100 ms (a quiet
-   tenant's admission p99 86-94 ms, 14-15 ms without), and every fetch named 24 partitions
+   tenant's admission p99 86-94 ms, 10 ms with this), and every fetch named 24 partitions
    the gateway does not read.
 """
 
