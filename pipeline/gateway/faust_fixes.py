@@ -46,7 +46,7 @@ from pipeline.gateway.intake import Acks
 
 _EVENT_WAIT = asyncio.Event.wait.__code__  # the consumer's suspend_flow is an asyncio.Event
 FETCH_MAX_WAIT_MS = 100  # set by the gateway from its settings before the app starts
-BUSY_FETCH_WAIT_MS = 10  # likewise: the fetch wait while data keeps arriving (0 = always FETCH_MAX_WAIT_MS)
+BUSY_FETCH_WAIT_MS = 3  # likewise: the fetch wait while data keeps arriving (0 = always FETCH_MAX_WAIT_MS)
 BUSY_FETCH_MIN_BYTES = 1 << 20
 PROMPT_FETCH_TOPICS: frozenset = frozenset()  # likewise: the topics whose records end the gathering
 PROMPT_FETCH_HOLD_S = 1.0  # for this long after the last record of one of them

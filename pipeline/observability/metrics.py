@@ -249,9 +249,12 @@ class WorkerMetrics:
         self.dead_letters = Counter("llmq_dead_letters", "Messages sent to the dead-letter topic, by reason.",
                                     ["reason"])
         self.up = Gauge("llmq_worker_up", "1 while the worker's consume loop runs.", ["pool"])
+        self.preemptions = Counter(
+            "llmq_preemptions", "Backend calls cancelled to free their slot for a waiting request of a higher "
+                                "band, by the cancelled call's band (its request runs again later).", ["priority"])
         self.registry.register(_Collector([
             self.requests, self.rejections, self.queue_wait, self.duration, self.tenant_wait, self.inflight,
-            self.tokens, self.last_commit, self.rebalances, self.dead_letters, self.up]))
+            self.tokens, self.last_commit, self.rebalances, self.dead_letters, self.up, self.preemptions]))
         self.inflight_child = self.inflight.labels(pool)
         self.inflight_child.set(0)
         self._band_series: dict[str, tuple] = {}

@@ -39,6 +39,17 @@ class PartitionQueues:
         self.size += 1
         return len(queue)
 
+    def appendleft(self, partition: Hashable, item) -> None:
+        """Put ``item`` back at the head of ``partition``'s queue (a preempted request: it was
+        that partition's oldest until it started)."""
+        queue = self._queues.get(partition)
+        if queue is None:
+            queue = self._queues[partition] = deque()
+        if not queue:
+            self._turn.appendleft(partition)
+        queue.appendleft(item)
+        self.size += 1
+
     def popleft(self):
         """The oldest item of the partition whose turn it is (IndexError when empty)."""
         partition = self._turn[0]

@@ -75,6 +75,7 @@ class WorkerStats:
     commits: int = 0
     skipped_done: int = 0  # redelivered messages already answered (listed in commit metadata)
     rebalances: int = 0
+    preempted: int = 0  # backend calls cancelled for a higher band's request (run again later)
     delivered: int = 0  # responses and dead letters the broker acknowledged (exactly-once: committed)
     first_consumed_at: float = 0.0  # time.perf_counter() of the first message
     last_delivered_at: float = 0.0
@@ -138,6 +139,15 @@ class Worker:
         self.cancellations: CancellationView | None = None
         self._task_of: dict[str, tuple] = {}  # request id → key in _tasks
         self._cancel_requested: set[tuple] = set()
+        # Preemption (worker.preempt_bands): running calls that may give their slot to a
+        # waiting request of a higher band, key → (band rank, start order, message, task,
+        # request id).
+        self._preemptible = frozenset(Priority[b].rank for b in self.cfg.preempt_bands)
+        self._victims: dict[tuple, tuple] = {}
+        self._preempted_tasks: set[asyncio.Task] = set()
+        self._preempt_counts: dict[tuple, int] = {}  # key → times preempted so far
+        self._starts = 0
+        self._owed: set[int] = set()  # id() of the messages of the chunk in hand started on a minimum share
         # Exactly-once: outcomes wait here until their partition's contiguous prefix reaches
         # them, then go out in one transaction with the offsets that cover them.
         self.exactly_once = self.cfg.delivery == "exactly-once"
@@ -186,6 +196,9 @@ class Worker:
         self._done_before.clear()
         self._tasks.clear()
         self._task_of.clear()
+        self._victims.clear()
+        self._preempted_tasks.clear()
+        self._preempt_counts.clear()
         self._seen.clear()
         self._seen_order.clear()
         self._paused_parts.clear()
@@ -289,7 +302,10 @@ class Worker:
             if len(self._tasks) >= cfg.max_inflight:
                 self._slot_free.clear()
                 try:
-                    await asyncio.wait_for(self._slot_free.wait(), idle_s)
+                    # With preemptible calls running, a higher band's request that arrives
+                    # is looked for sooner: it need not wait for a slot, only to be seen.
+                    await asyncio.wait_for(self._slot_free.wait(),
+                                           _PREEMPT_POLL_S if self._victims and idle_s > _PREEMPT_POLL_S else idle_s)
                 except asyncio.TimeoutError:
                     pass
             elif not msgs and not dispatched:
@@ -442,10 +458,13 @@ class Worker:
         """
         backlog, tasks, limit = self._backlog, self._tasks, self.cfg.max_inflight
         pick, record, process = self._scheduler.pick, self._scheduler.record, self._process_batch
+        owed = self._owed
         n = 0
         while True:
             room = limit - len(tasks)
             if room <= 0:
+                if self._victims and self._preempt():
+                    continue
                 break
             if room > _DISPATCH_CHUNK:
                 room = _DISPATCH_CHUNK
@@ -463,12 +482,52 @@ class Worker:
                         chunk.append(queue.popleft())
                     continue
                 record(band)
-                chunk.append(backlog[band].popleft())
+                msg = backlog[band].popleft()
+                if band != busy.index(True):
+                    # Started on its band's minimum share: preempting it would take back the
+                    # share the scheduler has just counted as given.
+                    owed.add(id(msg))
+                chunk.append(msg)
             if not chunk:
                 break
             process(chunk)
+            owed.clear()
             n += len(chunk)
         return n
+
+    def _preempt(self) -> bool:
+        """Every slot is busy: cancel one running call of a preemptible band lower than the
+        band the scheduler would serve next, and put its message back at the head of its
+        partition's queue. Returns whether a slot was freed.
+
+        The victim is the most recently started call of the lowest such band (the least work
+        thrown away). Its offset stays taken and unfinished, so nothing is committed past it,
+        and it is answered once, when it runs again.
+        """
+        backlog = self._backlog
+        band = self._scheduler.pick([q.size > 0 for q in backlog])
+        if band is None:
+            return False
+        victim = None
+        for key, entry in self._victims.items():
+            if entry[0] > band and (victim is None or entry[:2] > victim[1][:2]):
+                victim = (key, entry)
+        if victim is None:
+            return False
+        key, (rank, _, msg, task, request_id) = victim
+        del self._victims[key]
+        self._tasks.pop(key, None)
+        self._preempted_tasks.add(task)
+        task.cancel()
+        self._preempt_counts[key] = self._preempt_counts.get(key, 0) + 1
+        backlog[rank].appendleft(key[0], msg)
+        # It is taken again when it runs again: not a second request, not a duplicate id.
+        self.stats.consumed -= 1
+        self.stats.preempted += 1
+        self._task_of.pop(request_id, None)
+        self._seen.discard(request_id)
+        self.metrics.preemptions.labels(BAND_NAMES[rank]).inc()
+        return True
 
     def _pause_deep(self) -> None:
         """Pause the partitions whose queue is still at its cap once the free slots are filled.
@@ -617,9 +676,15 @@ class Worker:
                     done.append(item)
                 else:
                     tp, offset = (msg.topic(), msg.partition()), msg.offset()
-                    self._tasks[(tp, offset)] = asyncio.get_running_loop().create_task(
+                    key = (tp, offset)
+                    self._tasks[key] = task = asyncio.get_running_loop().create_task(
                         self._call_backend(tp, offset, request, started))
-                    self._task_of[request.request_id] = (tp, offset)
+                    self._task_of[request.request_id] = key
+                    rank = self._rank.get(tp[0], 4)
+                    if rank in self._preemptible and id(msg) not in self._owed and \
+                            self._preempt_counts.get(key, 0) < self.cfg.max_preemptions:
+                        self._starts += 1
+                        self._victims[key] = (rank, self._starts, msg, task, request.request_id)
         if len(done) == len(outcomes):
             if done:
                 self._respond_completed_many(done, started)
@@ -684,9 +749,14 @@ class Worker:
     async def _call_backend(self, tp, offset: int, request: Request, started: int) -> None:
         self.metrics.inflight_child.inc()
         t0 = time.perf_counter()
+        key = (tp, offset)
         try:
             completion = await self.backend.complete(request)
         except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me in self._preempted_tasks:  # back in its queue (_preempt): no answer now
+                self._preempted_tasks.discard(me)
+                return
             if (tp, offset) in self._cancel_requested:  # the client cancelled it: answer that
                 self._cancel_requested.discard((tp, offset))
                 self._respond_cancelled(tp, offset, request, started,
@@ -701,8 +771,16 @@ class Worker:
             self._respond_completed(tp, offset, request, started, completion, time.perf_counter() - t0)
         finally:
             self.metrics.inflight_child.dec()
-            self._tasks.pop((tp, offset), None)
-            self._task_of.pop(request.request_id, None)
+            me = asyncio.current_task()
+            # A preempted call's key may already belong to its next run.
+            if self._tasks.get(key) is me:
+                del self._tasks[key]
+                if self._task_of.get(request.request_id) == key:
+                    del self._task_of[request.request_id]
+                victim = self._victims.get(key)
+                if victim is not None and victim[3] is me:
+                    del self._victims[key]
+                self._preempt_counts.pop(key, None)
             self._slot_free.set()
 
     def _backend_failed(self, tp, offset: int, request: Request, started: int, exc: Exception) -> None:
@@ -1034,6 +1112,9 @@ class Worker:
         for queue in self._backlog:
             queue.drop(partitions)
         self._paused_parts -= set(partitions)
+        for table in (self._victims, self._preempt_counts):
+            for key in [key for key in table if key[0] in partitions]:
+                del table[key]
 
     async def _drain(self, grace_s: float) -> None:
         """Stop fetching, let in-flight calls finish within the grace period, hand back the rest."""
@@ -1076,6 +1157,10 @@ class Worker:
 
 # Requests processed stage by stage at a time (fewer if fewer backend slots are free).
 _DISPATCH_CHUNK = 64
+
+# How often a worker whose slots are all busy looks for new requests while some of its calls
+# are preemptible (otherwise worker.idle_poll_ms): each look is one non-blocking consume.
+_PREEMPT_POLL_S = 0.001
 
 # After a freeze longer than the session timeout, how long a worker starts no new work: enough
 # for librdkafka to notice the expired session and report the lost partitions.

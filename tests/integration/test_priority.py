@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from confluent_kafka import Producer
 
 from pipeline.models import Priority, Request, Status
@@ -52,3 +54,30 @@ def test_lower_bands_keep_their_minimum_share_under_sustained_high_band_load(set
     print(f"\nBACKGROUND share under HIGH load: {share:.3f} (minimum {settings.worker.band_min_share['BACKGROUND']})")
     assert share >= settings.worker.band_min_share["BACKGROUND"] * 0.8
     assert share <= 0.5  # and HIGH still goes first
+
+
+def test_a_critical_request_preempts_a_long_background_call_which_is_answered_once_later(settings):
+    # One slot, held by a BACKGROUND call of 3 s: the CRITICAL request takes the slot at
+    # once, and the BACKGROUND request runs again afterwards and is answered once.
+    settings.worker.max_inflight = 1
+    codec = Codec.default()
+    producer = Producer(settings.kafka.producer_config())
+    slow = Request.new("tenant-bulk", "a long batch job", priority=Priority.BACKGROUND, max_tokens=4,
+                       timeout_ms=600_000, metadata={"sim.latency_ms": "3000"})
+    producer.produce(settings.topics.request_topic(Priority.BACKGROUND), codec.encode_request(slow), b"tenant-bulk")
+    assert producer.flush(30) == 0
+    with running_worker(settings, SimulatedBackend(latency_ms=20)) as worker:  # every call takes a slot
+        deadline = time.monotonic() + 60
+        while not worker._tasks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert worker._tasks, "the BACKGROUND call never started"
+        (urgent,) = _queue(settings, Priority.CRITICAL, 1, tenant="tenant-urgent")
+        responses = _responses(settings, 2)
+        time.sleep(1)  # a second answer to either would have arrived by now
+        responses = _responses(settings, 2)
+    responses.sort(key=lambda r: r.finished_at)
+    assert [r.request_id for r in responses] == [urgent.request_id, slow.request_id]
+    assert all(r.status is Status.COMPLETED for r in responses)
+    crit = responses[0]
+    assert crit.started_at - crit.created_at < 1500, "CRITICAL waited for the BACKGROUND call"
+    assert worker.stats.preempted == 1

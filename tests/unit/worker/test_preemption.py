@@ -1,0 +1,278 @@
+"""A request of a higher band takes the slot of a running call of a preemptible band.
+
+Driven without a broker: the fake producer acknowledges at once. The backend's calls wait on
+events the test releases, so which call is running when is under the test's control.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pipeline.config import Settings
+from pipeline.errors import ConfigError
+from pipeline.models import Priority, Request, Status
+from pipeline.serde import Codec
+from pipeline.testing import FakeMessage
+from pipeline.worker.backends.simulated import SimulatedBackend
+from pipeline.worker.backlog import PartitionQueues
+from pipeline.worker.loop import Worker
+from tests.unit.worker.test_admission_fuzz import FakeProducer
+
+CODEC = Codec.default()
+
+
+class GatedBackend(SimulatedBackend):
+    """Every call waits until the test releases its request id."""
+
+    def __init__(self):
+        super().__init__()
+        self.gates: dict[str, asyncio.Event] = {}
+        self.calls: list[str] = []
+        self.cancelled: list[str] = []
+
+    def complete_now(self, request):
+        return None
+
+    async def complete(self, request):
+        self.calls.append(request.request_id)
+        gate = self.gates.setdefault(request.request_id, asyncio.Event())
+        try:
+            await gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+        return self._answer(request)
+
+    def release(self, request_id: str) -> None:
+        self.gates.setdefault(request_id, asyncio.Event()).set()
+
+
+def make_worker(env: dict | None = None, **worker) -> Worker:
+    s = Settings.load(env=env or {})
+    for name, value in worker.items():
+        setattr(s.worker, name, value)
+    w = Worker(s, GatedBackend(), worker_id="preempt-worker")
+    w.producer = FakeProducer()
+    return w
+
+
+class Feed:
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self.offsets: dict[Priority, int] = {}
+
+    def take(self, priority: Priority, tenant: str = "t") -> Request:
+        request = Request.new(tenant, f"{priority.value} prompt", priority=priority)
+        offset = self.offsets.get(priority, 0)
+        self.offsets[priority] = offset + 1
+        topic = self.worker.settings.topics.request_topic(priority)
+        self.worker._take(FakeMessage(topic, 0, offset, CODEC.encode_request(request), tenant.encode()))
+        return request
+
+
+def answers(worker: Worker) -> list:
+    return [CODEC.decode_response(m.value()) for m in worker.producer.sent if m.topic() == worker.responses_topic]
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_critical_request_takes_the_slot_of_the_latest_background_call_which_runs_again_later():
+    async def run():
+        worker = make_worker(max_inflight=2)
+        backend, feed = worker.backend, Feed(worker)
+        first, second = feed.take(Priority.BACKGROUND), feed.take(Priority.BACKGROUND)
+        assert worker._dispatch() == 2
+        await settle()
+        urgent = feed.take(Priority.CRITICAL)
+        assert worker._dispatch() == 1
+        await settle()
+        # The most recently started call gave way; the older one keeps running.
+        assert backend.cancelled == [second.request_id]
+        assert backend.calls[-1] == urgent.request_id
+        assert worker.stats.preempted == 1
+        assert worker.metrics.preemptions.labels("BACKGROUND").value == 1
+        # Its offset holds the partition's commits back while it waits to run again.
+        background_tp = (worker.settings.topics.request_topic(Priority.BACKGROUND), 0)
+        assert worker._backlog[Priority.BACKGROUND.rank].size == 1
+        backend.release(urgent.request_id)
+        backend.release(first.request_id)
+        await settle()
+        assert dict(worker.tracker.to_commit()).get(background_tp) == 1
+        assert worker._dispatch() == 1  # a slot is free: the preempted request runs again
+        await settle()
+        backend.release(second.request_id)
+        await settle()
+        got = answers(worker)
+        assert [r.request_id for r in got] == [urgent.request_id, first.request_id, second.request_id]
+        assert all(r.status == Status.COMPLETED for r in got)  # one answer each, no duplicate rejection
+        assert dict(worker.tracker.to_commit()).get(background_tp) == 2
+        assert not worker._tasks and not worker._victims and not worker._preempt_counts
+        assert worker.stats.consumed == 3
+
+    asyncio.run(run())
+
+
+def test_bands_not_listed_as_preemptible_keep_their_slots():
+    async def run():
+        worker = make_worker(max_inflight=1)  # preempt_bands: LOW and BACKGROUND by default
+        feed = Feed(worker)
+        normal = feed.take(Priority.NORMAL)
+        worker._dispatch()
+        await settle()
+        feed.take(Priority.CRITICAL)
+        assert worker._dispatch() == 0
+        assert worker.backend.cancelled == [] and worker.stats.preempted == 0
+        worker.backend.release(normal.request_id)
+        await settle()
+        for task in worker._tasks.values():
+            task.cancel()
+
+    asyncio.run(run())
+
+
+def test_a_request_never_preempts_its_own_band_or_a_higher_one():
+    async def run():
+        worker = make_worker(max_inflight=1, preempt_bands=["NORMAL", "LOW", "BACKGROUND"])
+        feed = Feed(worker)
+        feed.take(Priority.LOW)
+        worker._dispatch()
+        await settle()
+        feed.take(Priority.LOW)
+        feed.take(Priority.BACKGROUND)
+        assert worker._dispatch() == 0
+        assert worker.stats.preempted == 0
+        for task in worker._tasks.values():
+            task.cancel()
+        await settle()
+
+    asyncio.run(run())
+
+
+def test_a_request_is_preempted_at_most_max_preemptions_times():
+    async def run():
+        worker = make_worker(max_inflight=1, max_preemptions=2)
+        backend, feed = worker.backend, Feed(worker)
+        victim = feed.take(Priority.BACKGROUND)
+        for round_ in range(3):
+            assert worker._dispatch() == 1  # the BACKGROUND request (again)
+            await settle()
+            urgent = feed.take(Priority.HIGH)
+            started = worker._dispatch()
+            await settle()
+            if round_ < 2:
+                assert started == 1 and backend.cancelled.count(victim.request_id) == round_ + 1
+                backend.release(urgent.request_id)
+                await settle()
+            else:  # its third run is left to finish
+                assert started == 0 and backend.cancelled.count(victim.request_id) == 2
+        backend.release(victim.request_id)
+        await settle()
+        worker._dispatch()
+        await settle()
+        backend.release(urgent.request_id)
+        await settle()
+        got = [r.request_id for r in answers(worker)]
+        assert got.count(victim.request_id) == 1 and len(got) == 4
+
+    asyncio.run(run())
+
+
+def test_no_preemption_when_the_lower_band_is_owed_its_minimum_share():
+    async def run():
+        worker = make_worker(max_inflight=1)
+        feed = Feed(worker)
+        # The recent dispatches were all CRITICAL: BACKGROUND is below its 5 % minimum share,
+        # so the scheduler serves it next, and a waiting CRITICAL request does not cancel it.
+        worker._scheduler.record_many(Priority.CRITICAL.rank, 100)
+        feed.take(Priority.BACKGROUND)
+        worker._dispatch()
+        await settle()
+        feed.take(Priority.CRITICAL)
+        feed.take(Priority.BACKGROUND)
+        assert worker._dispatch() == 0
+        assert worker.stats.preempted == 0
+        for task in worker._tasks.values():
+            task.cancel()
+        await settle()
+
+    asyncio.run(run())
+
+
+def test_a_call_started_on_its_bands_minimum_share_is_not_preempted_afterwards():
+    async def run():
+        worker = make_worker(max_inflight=2)
+        feed = Feed(worker)
+        worker._scheduler.record_many(Priority.CRITICAL.rank, 100)
+        feed.take(Priority.CRITICAL)
+        feed.take(Priority.BACKGROUND)
+        assert worker._dispatch() == 2  # BACKGROUND first (owed), then CRITICAL
+        await settle()
+        assert not worker._victims
+        feed.take(Priority.CRITICAL)
+        assert worker._dispatch() == 0 and worker.stats.preempted == 0
+        for task in worker._tasks.values():
+            task.cancel()
+        await settle()
+
+    asyncio.run(run())
+
+
+def test_an_empty_preempt_bands_turns_preemption_off():
+    async def run():
+        worker = make_worker(env={"LLMQ_WORKER__PREEMPT_BANDS": ""}, max_inflight=1)
+        assert worker.cfg.preempt_bands == []
+        feed = Feed(worker)
+        feed.take(Priority.BACKGROUND)
+        worker._dispatch()
+        await settle()
+        feed.take(Priority.CRITICAL)
+        assert worker._dispatch() == 0 and worker.stats.preempted == 0
+        for task in worker._tasks.values():
+            task.cancel()
+        await settle()
+
+    asyncio.run(run())
+
+
+def test_revoking_a_partition_forgets_its_preemptible_calls():
+    async def run():
+        worker = make_worker(max_inflight=2)
+        feed = Feed(worker)
+        feed.take(Priority.BACKGROUND)
+        worker._dispatch()
+        await settle()
+        assert worker._victims
+        worker._drop_queued({(worker.settings.topics.request_topic(Priority.BACKGROUND), 0)})
+        assert not worker._victims
+        for task in worker._tasks.values():
+            task.cancel()
+        await settle()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("bands, message", [(["URGENT"], "unknown band 'URGENT'"),
+                                            (["CRITICAL"], "no higher band")])
+def test_preempt_bands_are_checked_at_start(bands, message):
+    s = Settings.load(env={})
+    s.worker.preempt_bands = bands
+    with pytest.raises(ConfigError, match="worker.preempt_bands") as info:
+        s.validate()
+    assert message in str(info.value)
+
+
+def test_appendleft_puts_an_item_back_first_in_line():
+    queues = PartitionQueues()
+    queues.append("p0", "a")
+    queues.append("p1", "b")
+    queues.appendleft("p1", "x")
+    assert queues.size == 3
+    assert [queues.popleft() for _ in range(3)] == ["a", "x", "b"]
+    queues.appendleft("p2", "y")  # an empty partition's item is served next
+    queues.append("p3", "z")
+    assert [queues.popleft() for _ in range(2)] == ["y", "z"]
