@@ -423,11 +423,21 @@ def priority_isolation(settings: Settings, args) -> dict:
     plan = [(f"{name}{r}", factor, False, True) for r in range(rounds) for name, factor in (("alone", 0), ("flood", 3))]
     plan += [("fifo_alone", 0, True, False), ("fifo_flood", 3, True, False), ("worker_alone", 0, False, False),
              ("worker_flood", 3, False, False)]
+    retried = {}
     with tempfile.TemporaryDirectory() as tmp:
         runs = {}
         for name, factor, fifo, gateway in plan:
-            runs[name] = _critical_waits(settings, factor, capacity, seconds, fifo=fifo, gateway=gateway,
-                                         tmp=Path(tmp))
+            try:
+                runs[name] = _critical_waits(settings, factor, capacity, seconds, fifo=fifo, gateway=gateway,
+                                             tmp=Path(tmp))
+            except RuntimeError as exc:
+                # Twice in dozens of full runs a worker that had joined and been assigned answered
+                # none of a round's warm-up requests (cause not found; the worker's log is kept
+                # in the message). Such a round is run once more on new topics, and said so.
+                _log(f"  {name}: {str(exc)[:300]}; running the round again on new topics")
+                retried[name] = str(exc)[:2000]
+                runs[name] = _critical_waits(settings, factor, capacity, seconds, fifo=fifo, gateway=gateway,
+                                             tmp=Path(tmp))
             _log(f"  {name}: CRITICAL p99 {p99([w[1] for w in runs[name] if w[0] >= onset_ms])} ms")
     steady = {name: [w for w in waits if w[0] >= onset_ms] for name, waits in runs.items()}
     p99_wait = {name: p99([w[1] for w in waits]) for name, waits in steady.items()}
@@ -455,9 +465,13 @@ def priority_isolation(settings: Settings, args) -> dict:
             "including_onset": {"critical_p99_alone_ms": onset_alone, "critical_p99_flood_ms": onset_flood,
                                 "ratio": round(onset_flood / max(onset_alone, 1), 3)},
             "critical_samples": {name: len(w) for name, w in runs.items()},
+            "rounds_run_again": retried,
             "measured": f"steady state: requests created {onset_ms} ms or more after the first; medians of "
                         f"{rounds} alternating rounds alone and flooded",
-            "worker_capacity_per_s": capacity, "flood_per_s": 3 * capacity, "seconds": seconds}
+            "worker_capacity_per_s": capacity, "flood_per_s": 3 * capacity, "seconds": seconds,
+            "mechanism": "bands: CRITICAL dispatched and served first; a worker whose slots are busy preempts a "
+                         "BACKGROUND call for a waiting CRITICAL request (worker.preempt_bands); the gateway "
+                         "fetches at once while CRITICAL requests arrive (gateway.prompt_fetch_bands)"}
 
 
 # -- tenant_fairness --------------------------------------------------------------------------
@@ -532,9 +546,10 @@ def _jain(settings: Settings, tmp: Path) -> float:
 
 def tenant_fairness(settings: Settings, args) -> dict:
     # The quiet tenant sends ~120 requests a run: its p99 is about its second-longest wait, so
-    # alone and next to the flooder alternate for three rounds and the ratio is of the medians
-    # (single runs gave 0.57 to 1.73 on this machine).
-    rounds = 3
+    # alone and next to the flooder alternate for five rounds and the ratio is of the medians
+    # (single runs gave 0.57 to 1.73 on this machine; with three rounds, one 85-ms run of 28-ms
+    # ones was a third of the median's votes).
+    rounds = 5
     alone_runs, flood_runs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(rounds):
@@ -549,7 +564,9 @@ def tenant_fairness(settings: Settings, args) -> dict:
             "jain_index": jain, **info, "quiet_per_s": 15, "flooder_per_s": 300,
             "alone_runs_ms": alone_runs, "flood_runs_ms": flood_runs,
             "measured": f"medians of {rounds} alternating rounds alone and next to the flooder",
-            "mechanism": "per-tenant outstanding cap (2 in NORMAL) demotes the flooder's excess one band down"}
+            "mechanism": "per-tenant outstanding cap (2 in NORMAL) demotes the flooder's excess one band down; "
+                         "a worker whose slots are busy preempts a LOW call for a waiting NORMAL request "
+                         "(worker.preempt_bands)"}
 
 
 # -- end_to_end_latency -----------------------------------------------------------------------
