@@ -142,7 +142,11 @@ class Worker:
         # Preemption (worker.preempt_bands): running calls that may give their slot to a
         # waiting request of a higher band, key → (band rank, start order, message, task,
         # request id).
-        self._preemptible = frozenset(Priority[b].rank for b in self.cfg.preempt_bands)
+        # Only bands below one this worker consumes: a pool of BACKGROUND alone never preempts
+        # (and never polls faster for it).
+        consumed = {self._rank[t] for t in self.topics if t in self._rank}
+        self._preemptible = frozenset(r for r in (Priority[b].rank for b in self.cfg.preempt_bands)
+                                      if r in consumed and any(c < r for c in consumed))
         self._victims: dict[tuple, tuple] = {}
         self._preempted_tasks: set[asyncio.Task] = set()
         self._preempt_counts: dict[tuple, int] = {}  # key → times preempted so far

@@ -276,3 +276,10 @@ def test_appendleft_puts_an_item_back_first_in_line():
     queues.appendleft("p2", "y")  # an empty partition's item is served next
     queues.append("p3", "z")
     assert [queues.popleft() for _ in range(2)] == ["y", "z"]
+
+
+@pytest.mark.parametrize("pool, preemptible", [("all", {"LOW", "BACKGROUND"}), ("async", {"LOW"}),
+                                               ("background", set()), ("realtime", set())])
+def test_only_bands_below_one_the_pool_consumes_are_preemptible(pool, preemptible):
+    worker = make_worker(pool=pool)
+    assert {p.value for p in Priority if p.rank in worker._preemptible} == preemptible
