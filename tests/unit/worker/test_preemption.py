@@ -81,6 +81,29 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+def assert_nothing_preempted(worker: Worker, running: list[Priority], waiting: list[Priority],
+                             preemptible_running: int | None = None) -> None:
+    """Requests of ``running`` take every slot, then requests of ``waiting`` arrive: none of the
+    running calls gives way (``preemptible_running``: how many of them were preemptible)."""
+    async def run():
+        feed = Feed(worker)
+        for band in running:
+            feed.take(band)
+        assert worker._dispatch() == len(running)
+        await settle()
+        if preemptible_running is not None:
+            assert len(worker._victims) == preemptible_running
+        for band in waiting:
+            feed.take(band)
+        assert worker._dispatch() == 0
+        assert worker.backend.cancelled == [] and worker.stats.preempted == 0
+        for task in worker._tasks.values():
+            task.cancel()
+        await settle()
+
+    asyncio.run(run())
+
+
 def test_a_critical_request_takes_the_slot_of_the_latest_background_call_which_runs_again_later():
     async def run():
         worker = make_worker(max_inflight=2)
@@ -118,39 +141,13 @@ def test_a_critical_request_takes_the_slot_of_the_latest_background_call_which_r
 
 
 def test_bands_not_listed_as_preemptible_keep_their_slots():
-    async def run():
-        worker = make_worker(max_inflight=1)  # preempt_bands: LOW and BACKGROUND by default
-        feed = Feed(worker)
-        normal = feed.take(Priority.NORMAL)
-        worker._dispatch()
-        await settle()
-        feed.take(Priority.CRITICAL)
-        assert worker._dispatch() == 0
-        assert worker.backend.cancelled == [] and worker.stats.preempted == 0
-        worker.backend.release(normal.request_id)
-        await settle()
-        for task in worker._tasks.values():
-            task.cancel()
-
-    asyncio.run(run())
+    # preempt_bands: LOW and BACKGROUND by default
+    assert_nothing_preempted(make_worker(max_inflight=1), [Priority.NORMAL], [Priority.CRITICAL])
 
 
 def test_a_request_never_preempts_its_own_band_or_a_higher_one():
-    async def run():
-        worker = make_worker(max_inflight=1, preempt_bands=["NORMAL", "LOW", "BACKGROUND"])
-        feed = Feed(worker)
-        feed.take(Priority.LOW)
-        worker._dispatch()
-        await settle()
-        feed.take(Priority.LOW)
-        feed.take(Priority.BACKGROUND)
-        assert worker._dispatch() == 0
-        assert worker.stats.preempted == 0
-        for task in worker._tasks.values():
-            task.cancel()
-        await settle()
-
-    asyncio.run(run())
+    worker = make_worker(max_inflight=1, preempt_bands=["NORMAL", "LOW", "BACKGROUND"])
+    assert_nothing_preempted(worker, [Priority.LOW], [Priority.LOW, Priority.BACKGROUND])
 
 
 def test_a_request_is_preempted_at_most_max_preemptions_times():
@@ -183,60 +180,25 @@ def test_a_request_is_preempted_at_most_max_preemptions_times():
 
 
 def test_no_preemption_when_the_lower_band_is_owed_its_minimum_share():
-    async def run():
-        worker = make_worker(max_inflight=1)
-        feed = Feed(worker)
-        # The recent dispatches were all CRITICAL: BACKGROUND is below its 5 % minimum share,
-        # so the scheduler serves it next, and a waiting CRITICAL request does not cancel it.
-        worker._scheduler.record_many(Priority.CRITICAL.rank, 100)
-        feed.take(Priority.BACKGROUND)
-        worker._dispatch()
-        await settle()
-        feed.take(Priority.CRITICAL)
-        feed.take(Priority.BACKGROUND)
-        assert worker._dispatch() == 0
-        assert worker.stats.preempted == 0
-        for task in worker._tasks.values():
-            task.cancel()
-        await settle()
-
-    asyncio.run(run())
+    worker = make_worker(max_inflight=1)
+    # The recent dispatches were all CRITICAL: BACKGROUND is below its 5 % minimum share, so the
+    # scheduler serves it next, and a waiting CRITICAL request does not cancel it.
+    worker._scheduler.record_many(Priority.CRITICAL.rank, 100)
+    assert_nothing_preempted(worker, [Priority.BACKGROUND], [Priority.CRITICAL, Priority.BACKGROUND])
 
 
 def test_a_call_started_on_its_bands_minimum_share_is_not_preempted_afterwards():
-    async def run():
-        worker = make_worker(max_inflight=2)
-        feed = Feed(worker)
-        worker._scheduler.record_many(Priority.CRITICAL.rank, 100)
-        feed.take(Priority.CRITICAL)
-        feed.take(Priority.BACKGROUND)
-        assert worker._dispatch() == 2  # BACKGROUND first (owed), then CRITICAL
-        await settle()
-        assert not worker._victims
-        feed.take(Priority.CRITICAL)
-        assert worker._dispatch() == 0 and worker.stats.preempted == 0
-        for task in worker._tasks.values():
-            task.cancel()
-        await settle()
-
-    asyncio.run(run())
+    worker = make_worker(max_inflight=2)
+    worker._scheduler.record_many(Priority.CRITICAL.rank, 100)
+    # BACKGROUND starts first (owed its share), then CRITICAL; another CRITICAL then waits.
+    assert_nothing_preempted(worker, [Priority.CRITICAL, Priority.BACKGROUND], [Priority.CRITICAL],
+                             preemptible_running=0)
 
 
 def test_an_empty_preempt_bands_turns_preemption_off():
-    async def run():
-        worker = make_worker(env={"LLMQ_WORKER__PREEMPT_BANDS": ""}, max_inflight=1)
-        assert worker.cfg.preempt_bands == []
-        feed = Feed(worker)
-        feed.take(Priority.BACKGROUND)
-        worker._dispatch()
-        await settle()
-        feed.take(Priority.CRITICAL)
-        assert worker._dispatch() == 0 and worker.stats.preempted == 0
-        for task in worker._tasks.values():
-            task.cancel()
-        await settle()
-
-    asyncio.run(run())
+    worker = make_worker(env={"LLMQ_WORKER__PREEMPT_BANDS": ""}, max_inflight=1)
+    assert worker.cfg.preempt_bands == []
+    assert_nothing_preempted(worker, [Priority.BACKGROUND], [Priority.CRITICAL])
 
 
 def test_revoking_a_partition_forgets_its_preemptible_calls():
