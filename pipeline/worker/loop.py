@@ -139,14 +139,13 @@ class Worker:
         self.cancellations: CancellationView | None = None
         self._task_of: dict[str, tuple] = {}  # request id → key in _tasks
         self._cancel_requested: set[tuple] = set()
-        # Preemption (worker.preempt_bands): running calls that may give their slot to a
-        # waiting request of a higher band, key → (band rank, start order, message, task,
-        # request id).
-        # Only bands below one this worker consumes: a pool of BACKGROUND alone never preempts
-        # (and never polls faster for it).
+        # Preemption (worker.preempt_bands), only of bands below another band this worker
+        # consumes: a pool of BACKGROUND alone never preempts (nor polls faster for it).
         consumed = {self._rank[t] for t in self.topics if t in self._rank}
         self._preemptible = frozenset(r for r in (Priority[b].rank for b in self.cfg.preempt_bands)
                                       if r in consumed and any(c < r for c in consumed))
+        # Running calls that may give their slot to a waiting request of a higher band:
+        # key → (band rank, start order, message, task, request id).
         self._victims: dict[tuple, tuple] = {}
         self._preempted_tasks: set[asyncio.Task] = set()
         self._preempt_counts: dict[tuple, int] = {}  # key → times preempted so far
