@@ -664,7 +664,10 @@ class Worker:
             runnable.append(entry)
         done = []
         if runnable:
-            self.metrics.waited_many(runnable, started)
+            counts = self._preempt_counts
+            # A preempted request's wait was observed when it first started: once per request.
+            self.metrics.waited_many([e for e in runnable if ((e[0].topic(), e[0].partition()), e[0].offset())
+                                      not in counts] if counts else runnable, started)
             complete_now = self.backend.complete_now
             for entry in runnable:
                 msg, request = entry[0], entry[1]

@@ -136,6 +136,8 @@ def test_a_critical_request_takes_the_slot_of_the_latest_background_call_which_r
         assert dict(worker.tracker.to_commit()).get(background_tp) == 2
         assert not worker._tasks and not worker._victims and not worker._preempt_counts
         assert worker.stats.consumed == 3
+        waits = worker.metrics.queue_wait.labels("BACKGROUND")
+        assert sum(waits.counts) == 2  # the preempted request's wait observed once, at its first start
 
     asyncio.run(run())
 
