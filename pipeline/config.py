@@ -283,6 +283,12 @@ class WorkerSettings:
     preempt_bands: list[str] = field(default_factory=lambda: ["LOW", "BACKGROUND"])
     #: Times one request may be preempted; after that its call runs to the end (bounds the waste).
     max_preemptions: int = 2
+    #: Fairness between tenants inside a band: while every slot is busy, a request whose tenant
+    #: (the message key: the gateway and the llmq client key by tenant) runs no call in its band
+    #: takes the slot of the most recently started call of a tenant running two or more in that
+    #: band, which goes back to its queue behind it (max_preemptions bounds it too). Without it a
+    #: flooding tenant holding every slot makes a quiet one wait for one of its calls to end.
+    fair_preemption: bool = True
     #: Recent request ids a worker remembers, to answer a re-submitted id only once (0 = off).
     dedupe_window: int = 100_000
     #: Tenants that get their own metric label: these, plus the N busiest; the rest are "other".

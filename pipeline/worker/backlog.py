@@ -39,16 +39,24 @@ class PartitionQueues:
         self.size += 1
         return len(queue)
 
-    def appendleft(self, partition: Hashable, item) -> None:
+    def appendleft(self, partition: Hashable, item, *, turn_first: bool = True) -> None:
         """Put ``item`` back at the head of ``partition``'s queue (a preempted request: it was
-        that partition's oldest until it started)."""
+        that partition's oldest until it started). ``turn_first``: a partition that had nothing
+        queued is served next; otherwise it waits for its turn after the others."""
         queue = self._queues.get(partition)
         if queue is None:
             queue = self._queues[partition] = deque()
         if not queue:
-            self._turn.appendleft(partition)
+            if turn_first:
+                self._turn.appendleft(partition)
+            else:
+                self._turn.append(partition)
         queue.appendleft(item)
         self.size += 1
+
+    def peek(self):
+        """The item :meth:`popleft` would return (IndexError when empty)."""
+        return self._queues[self._turn[0]][0]
 
     def popleft(self):
         """The oldest item of the partition whose turn it is (IndexError when empty)."""

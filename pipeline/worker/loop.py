@@ -76,6 +76,7 @@ class WorkerStats:
     skipped_done: int = 0  # redelivered messages already answered (listed in commit metadata)
     rebalances: int = 0
     preempted: int = 0  # backend calls cancelled for a higher band's request (run again later)
+    preempted_in_band: int = 0  # of those, calls of a tenant crowding its band (worker.fair_preemption)
     delivered: int = 0  # responses and dead letters the broker acknowledged (exactly-once: committed)
     first_consumed_at: float = 0.0  # time.perf_counter() of the first message
     last_delivered_at: float = 0.0
@@ -150,6 +151,12 @@ class Worker:
         self._preempted_tasks: set[asyncio.Task] = set()
         self._preempt_counts: dict[tuple, int] = {}  # key → times preempted so far
         self._starts = 0
+        # Fairness inside a band (worker.fair_preemption): running calls by (band rank, tenant
+        # key), each key → (start order, message, task, request id); how many run two or more.
+        self._fair = self.cfg.fair_preemption
+        self._by_tenant: dict[tuple, dict[tuple, tuple]] = {}
+        self._tenant_of_call: dict[tuple, tuple] = {}  # key → (band rank, tenant key)
+        self._crowded = 0
         self._owed: set[int] = set()  # id() of the messages of the chunk in hand started on a minimum share
         # Exactly-once: outcomes wait here until their partition's contiguous prefix reaches
         # them, then go out in one transaction with the offsets that cover them.
@@ -202,6 +209,9 @@ class Worker:
         self._victims.clear()
         self._preempted_tasks.clear()
         self._preempt_counts.clear()
+        self._by_tenant.clear()
+        self._tenant_of_call.clear()
+        self._crowded = 0
         self._seen.clear()
         self._seen_order.clear()
         self._paused_parts.clear()
@@ -466,7 +476,7 @@ class Worker:
         while True:
             room = limit - len(tasks)
             if room <= 0:
-                if self._victims and self._preempt():
+                if (self._victims or self._crowded) and self._preempt():
                     continue
                 break
             if room > _DISPATCH_CHUNK:
@@ -505,7 +515,9 @@ class Worker:
 
         The victim is the most recently started call of the lowest such band (the least work
         thrown away). Its offset stays taken and unfinished, so nothing is committed past it,
-        and it is answered once, when it runs again.
+        and it is answered once, when it runs again. Failing such a call, one of a tenant
+        crowding the served band (:meth:`_crowding_call`), which waits behind the request it
+        made way for.
         """
         backlog = self._backlog
         band = self._scheduler.pick([q.size > 0 for q in backlog])
@@ -515,15 +527,21 @@ class Worker:
         for key, entry in self._victims.items():
             if entry[0] > band and (victim is None or entry[:2] > victim[1][:2]):
                 victim = (key, entry)
+        turn_first = True
         if victim is None:
-            return False
+            victim = self._crowding_call(band) if self._crowded else None
+            if victim is None:
+                return False
+            turn_first = False
+            self.stats.preempted_in_band += 1
         key, (rank, _, msg, task, request_id) = victim
-        del self._victims[key]
+        self._victims.pop(key, None)
+        self._forget_call(key)
         self._tasks.pop(key, None)
         self._preempted_tasks.add(task)
         task.cancel()
         self._preempt_counts[key] = self._preempt_counts.get(key, 0) + 1
-        backlog[rank].appendleft(key[0], msg)
+        backlog[rank].appendleft(key[0], msg, turn_first=turn_first)
         # It is taken again when it runs again: not a second request, not a duplicate id.
         self.stats.consumed -= 1
         self.stats.preempted += 1
@@ -531,6 +549,49 @@ class Worker:
         self._seen.discard(request_id)
         self.metrics.preemptions.labels(BAND_NAMES[rank]).inc()
         return True
+
+    def _crowding_call(self, band: int):
+        """When the request ``band`` serves next is of a tenant running no call in that band
+        while another tenant runs two or more there: the latest-started of those calls that may
+        still be preempted, as (key, (band, start order, message, task, request id)), else None.
+
+        A call from the waiting request's own partition is never chosen: it would go back
+        ahead of the request and be taken again in its place.
+        """
+        head = self._backlog[band].peek()
+        tenant = head.key()
+        if tenant is None or (band, tenant) in self._by_tenant:
+            return None
+        partition = (head.topic(), head.partition())
+        limit, counts = self.cfg.max_preemptions, self._preempt_counts
+        best = None
+        for (rank, _), calls in self._by_tenant.items():
+            if rank != band or len(calls) < 2:
+                continue
+            for key, entry in calls.items():
+                if key[0] != partition and counts.get(key, 0) < limit and (best is None or entry[0] > best[1][1]):
+                    best = (key, (band, *entry))
+        return best
+
+    def _track_call(self, key, rank: int, tenant, entry: tuple) -> None:
+        who = (rank, tenant)
+        calls = self._by_tenant.get(who)
+        if calls is None:
+            calls = self._by_tenant[who] = {}
+        calls[key] = entry
+        self._tenant_of_call[key] = who
+        if len(calls) == 2:
+            self._crowded += 1
+
+    def _forget_call(self, key) -> None:
+        who = self._tenant_of_call.pop(key, None)
+        if who is not None:
+            calls = self._by_tenant[who]
+            del calls[key]
+            if len(calls) == 1:
+                self._crowded -= 1
+            elif not calls:
+                del self._by_tenant[who]
 
     def _pause_deep(self) -> None:
         """Pause the partitions whose queue is still at its cap once the free slots are filled.
@@ -687,10 +748,14 @@ class Worker:
                         self._call_backend(tp, offset, request, started))
                     self._task_of[request.request_id] = key
                     rank = self._rank.get(tp[0], 4)
+                    self._starts += 1
                     if rank in self._preemptible and id(msg) not in self._owed and \
                             self._preempt_counts.get(key, 0) < self.cfg.max_preemptions:
-                        self._starts += 1
                         self._victims[key] = (rank, self._starts, msg, task, request.request_id)
+                    if self._fair:
+                        tenant = msg.key()
+                        if tenant is not None:
+                            self._track_call(key, rank, tenant, (self._starts, msg, task, request.request_id))
         if len(done) == len(outcomes):
             if done:
                 self._respond_completed_many(done, started)
@@ -786,6 +851,7 @@ class Worker:
                 victim = self._victims.get(key)
                 if victim is not None and victim[3] is me:
                     del self._victims[key]
+                self._forget_call(key)
                 self._preempt_counts.pop(key, None)
             self._slot_free.set()
 
@@ -1121,6 +1187,8 @@ class Worker:
         for table in (self._victims, self._preempt_counts):
             for key in [key for key in table if key[0] in partitions]:
                 del table[key]
+        for key in [key for key in self._tenant_of_call if key[0] in partitions]:
+            self._forget_call(key)
 
     async def _drain(self, grace_s: float) -> None:
         """Stop fetching, let in-flight calls finish within the grace period, hand back the rest."""

@@ -81,3 +81,35 @@ def test_a_critical_request_preempts_a_long_background_call_which_is_answered_on
     crit = responses[0]
     assert crit.started_at - crit.created_at < 1500, "CRITICAL waited for the BACKGROUND call"
     assert worker.stats.preempted == 1
+
+
+def test_a_quiet_tenant_does_not_wait_for_a_tenant_holding_every_slot_with_long_calls(settings):
+    # Two slots, both held by one tenant's NORMAL calls of 3 s: another tenant's NORMAL request
+    # takes one of them at once (worker.fair_preemption), and the flooder's call runs again
+    # afterwards and is answered once.
+    settings.worker.max_inflight = 2
+    codec = Codec.default()
+    producer = Producer(settings.kafka.producer_config())
+    topic = settings.topics.request_topic(Priority.NORMAL)
+    slow = [Request.new("tenant-flood", f"long job {i}", max_tokens=4, timeout_ms=600_000,
+                        metadata={"sim.latency_ms": "3000"}) for i in range(2)]
+    for r in slow:  # one partition for the flooder, another for the quiet tenant
+        producer.produce(topic, codec.encode_request(r), b"tenant-flood", partition=0)
+    assert producer.flush(30) == 0
+    with running_worker(settings, SimulatedBackend(latency_ms=20)) as worker:
+        deadline = time.monotonic() + 60
+        while len(worker._tasks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(worker._tasks) == 2, "the flooder's calls never filled both slots"
+        quiet = Request.new("tenant-quiet", "a short question", max_tokens=4, timeout_ms=600_000)
+        producer.produce(topic, codec.encode_request(quiet), b"tenant-quiet", partition=1)
+        assert producer.flush(30) == 0
+        responses = _responses(settings, 3)
+        time.sleep(1)  # a second answer to any of them would have arrived by now
+        responses = _responses(settings, 3)
+    by_id = {r.request_id: r for r in responses}
+    assert len(responses) == 3 and set(by_id) == {quiet.request_id, *(r.request_id for r in slow)}
+    assert all(r.status is Status.COMPLETED for r in responses)
+    q = by_id[quiet.request_id]
+    assert q.started_at - q.created_at < 1500, "the quiet tenant waited for the flooder's call"
+    assert worker.stats.preempted_in_band == 1
