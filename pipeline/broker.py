@@ -252,6 +252,12 @@ class LocalBroker:
 
     # -- up -------------------------------------------------------------------------------
 
+    def memory_options(self) -> list[str]:
+        """Heap and collector: G1, Kafka's recommendation, unless ``jvm_options`` chooses
+        another collector (the JVM refuses two)."""
+        gc = [] if any(_chooses_collector(o) for o in self.jvm_options) else ["-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20"]
+        return [f"-Xms{min_heap(self.heap)}", f"-Xmx{self.heap}", *gc]
+
     def up(self, timeout: float = 90.0) -> BrokerStatus:
         """Start the broker unless it already runs; return once it answers metadata requests."""
         pid = self.pid()
@@ -284,7 +290,7 @@ class LocalBroker:
             self._format(classpath)
             (self.data_dir / "mode").write_text("secure\n" if self.secure else "plaintext\n")
         cmd = [
-            "java", f"-Xms{min_heap(self.heap)}", f"-Xmx{self.heap}", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
+            "java", *self.memory_options(),
             "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
             f"-Dllmq.data.dir={self.data_dir}", *self.jvm_options,
@@ -456,6 +462,20 @@ class LocalBroker:
             if marker in args:
                 found.append(int(entry.name))
         return found
+
+
+def _chooses_collector(option: str) -> bool:
+    return option.startswith("-XX:+Use") and option.endswith("GC")
+
+
+def jvm_accepts(*options: str) -> bool:
+    """Whether this machine's ``java`` starts with ``options`` (not every build has every
+    collector: Shenandoah is missing from Oracle's, for one)."""
+    try:
+        return subprocess.run(["java", *options, "-version"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def min_heap(heap: str) -> str:

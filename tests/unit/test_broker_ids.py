@@ -28,3 +28,18 @@ def test_the_broker_settings_default_jvm_options_are_the_local_brokers():
     assert LocalBroker(9092, "/tmp/unused").jvm_options == DEFAULT_JVM_OPTIONS.split()
     assert LocalBroker(9092, "/tmp/unused", jvm_options="-XX:+UseParallelGC -Dx=1").jvm_options == [
         "-XX:+UseParallelGC", "-Dx=1"]
+
+
+def test_the_local_broker_runs_g1_unless_its_jvm_options_choose_a_collector():
+    from pipeline.broker import LocalBroker
+
+    assert "-XX:+UseG1GC" in LocalBroker(9092, "/tmp/unused").memory_options()
+    chosen = LocalBroker(9092, "/tmp/unused", jvm_options="-XX:+UseShenandoahGC")
+    assert not any(o.startswith("-XX:+Use") for o in chosen.memory_options())  # the JVM refuses two
+
+
+def test_jvm_accepts_tells_a_collector_this_java_lacks():
+    from pipeline.broker import jvm_accepts
+
+    assert jvm_accepts("-Xmx64m")
+    assert not jvm_accepts("-XX:+UseNoSuchCollectorGC")
