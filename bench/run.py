@@ -12,7 +12,6 @@ Results are merged into bench/results.json under ``scenarios.<name>``.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
@@ -34,7 +33,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition  # noqa: E402
 
-from pipeline.broker import LocalBroker, jvm_accepts  # noqa: E402
+from pipeline.broker import LocalBroker  # noqa: E402
 from pipeline.config import Settings  # noqa: E402
 from pipeline.models import Priority, Request  # noqa: E402
 from pipeline.runtime import freeze_long_lived  # noqa: E402
@@ -45,22 +44,15 @@ from pipeline.worker.loop import Worker  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results.json"
 
-#: JVM options of the broker this benchmark starts: the JVM's optimising JIT, as a production
-#: broker runs. The local development broker (``llmq broker up``, tests, demo) keeps the quick
-#: tier only (``broker.jvm_options``), which serves a short-lived broker's first minute better;
-#: over a benchmark's minutes the optimised code costs the broker about a quarter less CPU per
-#: request (BENCHMARKS.md, 2026-12-01 14:50 UTC). And a concurrent collector where the JVM has
-#: one: G1's young pauses (7-23 ms every 2-4 s here) stop every request the broker holds, which
-#: made most of a quiet tenant's p99 next to a flooder (BENCHMARKS.md, 2026-12-01 20:00 UTC).
-LOW_PAUSE_GC = "-XX:+UseShenandoahGC"
-BENCH_BROKER_JVM_OPTIONS = os.environ.get("LLMQ_BENCH_BROKER_JVM_OPTIONS")
-
-
-@functools.cache
-def bench_jvm_options() -> str:
-    if BENCH_BROKER_JVM_OPTIONS is not None:
-        return BENCH_BROKER_JVM_OPTIONS
-    return LOW_PAUSE_GC if jvm_accepts(LOW_PAUSE_GC) else ""
+#: JVM options of the broker this benchmark starts. Empty: the JVM's optimising JIT, as a
+#: production broker runs, and G1. The local development broker (``llmq broker up``, tests,
+#: demo) keeps the quick tier only (``broker.jvm_options``), which serves a short-lived broker's
+#: first minute better; over a benchmark's minutes the optimised code costs the broker about a
+#: quarter less CPU per request (BENCHMARKS.md, 2026-12-01 14:50 UTC). A concurrent collector
+#: (``-XX:+UseShenandoahGC``) took G1's 5-23 ms young pauses out of a quiet tenant's p99 next to
+#: a flooder, but its ~300-ms concurrent cycles on one of the two cores put end_to_end_latency's
+#: p99 at 53 ms against 39 (BENCHMARKS.md, 2026-12-01 20:30 UTC): not the default.
+BENCH_BROKER_JVM_OPTIONS = os.environ.get("LLMQ_BENCH_BROKER_JVM_OPTIONS", "")
 SCALING_TENANTS = 1000
 SCALING_MODEL_MS = 40
 SCALING_INFLIGHT = 16
@@ -483,7 +475,7 @@ def _conditions(args, kafka_version: str, own_broker: bool) -> dict:
             "kafka": kafka_version, "messages": args.messages, "rounds": args.rounds,
             "prompt_bytes": args.prompt_bytes, "native_codec": fastpath.native_available(),
             "fast_lane": lane_available(),
-            "broker_jvm_options": bench_jvm_options() if own_broker else "(a broker this run did not start)",
+            "broker_jvm_options": BENCH_BROKER_JVM_OPTIONS if own_broker else "(a broker this run did not start)",
             "broker_warm_up_s": args.broker_warm_up}
 
 
@@ -508,7 +500,7 @@ def main(argv=None) -> int:
     bootstrap = os.environ.get("LLMQ_BENCH_BOOTSTRAP")
     tmp = tempfile.TemporaryDirectory(prefix="llmq-bench-")
     if not bootstrap:
-        jvm_options = bench_jvm_options()
+        jvm_options = BENCH_BROKER_JVM_OPTIONS
         broker = LocalBroker(_free_port(), Path(tmp.name) / "kafka", kafka_version=base.broker.kafka_version,
                              heap="1g", progress=_log, jvm_options=jvm_options)
         _log(f"starting a benchmark broker at {broker.bootstrap} (JVM options: {jvm_options or 'none'})")

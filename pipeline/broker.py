@@ -468,16 +468,6 @@ def _chooses_collector(option: str) -> bool:
     return option.startswith("-XX:+Use") and option.endswith("GC")
 
 
-def jvm_accepts(*options: str) -> bool:
-    """Whether this machine's ``java`` starts with ``options`` (not every build has every
-    collector: Shenandoah is missing from Oracle's, for one)."""
-    try:
-        return subprocess.run(["java", *options, "-version"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              timeout=60).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 def min_heap(heap: str) -> str:
     return "256m" if heap.lower().endswith(("g", "m")) and _heap_mb(heap) >= 256 else heap
 

@@ -37,9 +37,3 @@ def test_the_local_broker_runs_g1_unless_its_jvm_options_choose_a_collector():
     chosen = LocalBroker(9092, "/tmp/unused", jvm_options="-XX:+UseShenandoahGC")
     assert not any(o.startswith("-XX:+Use") for o in chosen.memory_options())  # the JVM refuses two
 
-
-def test_jvm_accepts_tells_a_collector_this_java_lacks():
-    from pipeline.broker import jvm_accepts
-
-    assert jvm_accepts("-Xmx64m")
-    assert not jvm_accepts("-XX:+UseNoSuchCollectorGC")
