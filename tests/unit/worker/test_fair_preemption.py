@@ -34,13 +34,20 @@ def stop_all(worker: Worker):
     return settle()
 
 
+async def flooder_in_every_slot(**worker_settings) -> tuple[Worker, dict, Request, Request]:
+    """A two-slot worker running two NORMAL calls of tenant "flooder" (partition 1)."""
+    worker = make_worker(max_inflight=2, **worker_settings)
+    offsets = {}
+    first, second = take(worker, "flooder", 1, offsets), take(worker, "flooder", 1, offsets)
+    assert worker._dispatch() == 2
+    await settle()
+    return worker, offsets, first, second
+
+
 def test_a_quiet_tenant_takes_the_slot_of_a_tenant_holding_every_slot_and_the_call_runs_again_after():
     async def run():
-        worker = make_worker(max_inflight=2)
-        backend, offsets = worker.backend, {}
-        first, second = take(worker, "flooder", 1, offsets), take(worker, "flooder", 1, offsets)
-        assert worker._dispatch() == 2
-        await settle()
+        worker, offsets, first, second = await flooder_in_every_slot()
+        backend = worker.backend
         quiet = take(worker, "quiet", 2, offsets)
         assert worker._dispatch() == 1
         await settle()
@@ -73,12 +80,7 @@ def test_the_preempted_call_does_not_jump_ahead_of_the_request_it_made_way_for()
     # The flooder's partition had nothing else queued: put back first in line, it would be
     # taken again in the quiet tenant's place.
     async def run():
-        worker = make_worker(max_inflight=2)
-        offsets = {}
-        take(worker, "flooder", 1, offsets)
-        take(worker, "flooder", 1, offsets)
-        worker._dispatch()
-        await settle()
+        worker, offsets, _, _ = await flooder_in_every_slot()
         quiet = take(worker, "quiet", 2, offsets)
         worker._dispatch()
         await settle()
@@ -132,12 +134,7 @@ def test_fairness_never_preempts_across_bands():
     # A NORMAL flooder holding both slots is not preempted for a LOW request of another
     # tenant: band order comes first (LOW is preemptible, NORMAL is not).
     async def run():
-        worker = make_worker(max_inflight=2)
-        offsets = {}
-        take(worker, "flooder", 1, offsets)
-        take(worker, "flooder", 1, offsets)
-        worker._dispatch()
-        await settle()
+        worker, offsets, _, _ = await flooder_in_every_slot()
         take(worker, "quiet", 2, offsets, band=Priority.LOW)
         assert worker._dispatch() == 0 and worker.stats.preempted == 0
         await stop_all(worker)
@@ -147,12 +144,8 @@ def test_fairness_never_preempts_across_bands():
 
 def test_a_request_is_preempted_for_fairness_at_most_max_preemptions_times():
     async def run():
-        worker = make_worker(max_inflight=2, max_preemptions=1)
-        backend, offsets = worker.backend, {}
-        first = take(worker, "flooder", 1, offsets)
-        victim = take(worker, "flooder", 1, offsets)
-        worker._dispatch()
-        await settle()
+        worker, offsets, first, victim = await flooder_in_every_slot(max_preemptions=1)
+        backend = worker.backend
         quiet = take(worker, "quiet", 2, offsets)
         assert worker._dispatch() == 1
         await settle()
@@ -173,12 +166,7 @@ def test_a_request_is_preempted_for_fairness_at_most_max_preemptions_times():
 
 def test_revoking_a_partition_forgets_its_tenants_calls():
     async def run():
-        worker = make_worker(max_inflight=2)
-        offsets = {}
-        take(worker, "flooder", 1, offsets)
-        take(worker, "flooder", 1, offsets)
-        worker._dispatch()
-        await settle()
+        worker, _, _, _ = await flooder_in_every_slot()
         assert worker._crowded == 1
         worker._drop_queued({(worker.settings.topics.request_topic(NORMAL), 1)})
         assert worker._crowded == 0 and not worker._by_tenant and not worker._tenant_of_call
