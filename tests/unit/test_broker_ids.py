@@ -37,3 +37,21 @@ def test_the_local_broker_runs_g1_unless_its_jvm_options_choose_a_collector():
     chosen = LocalBroker(9092, "/tmp/unused", jvm_options="-XX:+UseShenandoahGC")
     assert not any(o.startswith("-XX:+Use") for o in chosen.memory_options())  # the JVM refuses two
 
+
+
+def test_the_local_brokers_log_cleaner_keeps_a_small_dedupe_buffer(tmp_path):
+    # Kafka's 128-MiB default is allocated at start and was most of a 1-GiB heap's old
+    # generation: G1 then marked concurrently every few seconds under load.
+    from pipeline.broker import LocalBroker
+
+    broker = LocalBroker(9092, tmp_path)
+    broker._write_config(controller_port=9093)
+    props = dict(line.split("=", 1) for line in broker._properties.read_text().splitlines())
+    assert int(props["log.cleaner.dedupe.buffer.size"]) == 16 * 1024 * 1024
+
+
+def test_the_local_broker_has_its_whole_heap_from_the_start():
+    from pipeline.broker import LocalBroker
+
+    options = LocalBroker(9092, "/tmp/unused", heap="1g").memory_options()
+    assert "-Xms1g" in options and "-Xmx1g" in options
