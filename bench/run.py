@@ -12,6 +12,8 @@ Results are merged into bench/results.json under ``scenarios.<name>``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import json
 import os
 import platform
@@ -479,6 +481,25 @@ def _conditions(args, kafka_version: str, own_broker: bool) -> dict:
             "broker_warm_up_s": args.broker_warm_up}
 
 
+_GC_PAUSE = re.compile(r"^\[(?P<at>[^\]]+)\] GC\(\d+\) Pause .* (?P<ms>[\d.]+)ms$")
+
+
+def broker_pauses(gc_log: Path, start: float, end: float) -> dict:
+    """The benchmark broker's stop-the-world pauses between ``start`` and ``end`` (epoch
+    seconds), from its ``-Xlog:gc:...:time`` log: every latency scenario's tail moves with them
+    (BENCHMARKS.md), so each scenario's result says how many it ran through."""
+    pauses = []
+    with contextlib.suppress(OSError):
+        for line in gc_log.read_text().splitlines():
+            m = _GC_PAUSE.match(line.strip())
+            if m:
+                at = datetime.datetime.strptime(m["at"], "%Y-%m-%dT%H:%M:%S.%f%z").timestamp()
+                if start <= at <= end:
+                    pauses.append(float(m["ms"]))
+    return {"pauses": len(pauses), "total_ms": round(sum(pauses)), "max_ms": round(max(pauses, default=0.0), 1),
+            "over_20_ms": sum(p > 20 for p in pauses)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scenarios", nargs="*", choices=[[], *SCENARIOS], default=[],
@@ -501,8 +522,9 @@ def main(argv=None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="llmq-bench-")
     if not bootstrap:
         jvm_options = BENCH_BROKER_JVM_OPTIONS
+        gc_log = Path(tmp.name) / "broker-gc.log"
         broker = LocalBroker(_free_port(), Path(tmp.name) / "kafka", kafka_version=base.broker.kafka_version,
-                             heap="1g", progress=_log, jvm_options=jvm_options)
+                             heap="1g", progress=_log, jvm_options=f"{jvm_options} -Xlog:gc:file={gc_log}:time".strip())
         _log(f"starting a benchmark broker at {broker.bootstrap} (JVM options: {jvm_options or 'none'})")
         broker.up()
         bootstrap = broker.bootstrap
@@ -521,8 +543,11 @@ def main(argv=None) -> int:
             settings.kafka.bootstrap = bootstrap
             settings.topics.prefix = f"bench{uuid.uuid4().hex[:6]}.llm"
             create_pipeline_topics(settings)
+            started = time.time()
             try:
                 results[name] = SCENARIOS[name](settings, args)
+                if broker is not None:
+                    results[name]["broker_gc"] = broker_pauses(gc_log, started, time.time())
             finally:
                 _drop_bench_topics(bootstrap, broker.data_dir / "data" if broker is not None else None)
     finally:
