@@ -492,10 +492,12 @@ def broker_pauses(gc_log: Path, start: float, end: float) -> dict:
     with contextlib.suppress(OSError):
         for line in gc_log.read_text().splitlines():
             m = _GC_PAUSE.match(line.strip())
-            if m:
-                at = datetime.datetime.strptime(m["at"], "%Y-%m-%dT%H:%M:%S.%f%z").timestamp()
-                if start <= at <= end:
-                    pauses.append(float(m["ms"]))
+            try:
+                at = datetime.datetime.strptime(m["at"], "%Y-%m-%dT%H:%M:%S.%f%z").timestamp() if m else None
+            except ValueError:  # another decoration than ``time``: this figure is lost, not the run
+                at = None
+            if at is not None and start <= at <= end:
+                pauses.append(float(m["ms"]))
     return {"pauses": len(pauses), "total_ms": round(sum(pauses)), "max_ms": round(max(pauses, default=0.0), 1),
             "over_20_ms": sum(p > 20 for p in pauses)}
 

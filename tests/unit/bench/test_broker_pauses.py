@@ -40,3 +40,11 @@ def test_a_scenario_counts_the_broker_pauses_inside_its_time_span_only(tmp_path)
 
 def test_no_gc_log_is_no_pauses(tmp_path):
     assert _bench_run().broker_pauses(tmp_path / "missing.log", 0, 1)["pauses"] == 0
+
+
+def test_a_line_decorated_otherwise_is_left_out_and_the_rest_still_counted(tmp_path):
+    log = tmp_path / "gc.log"
+    log.write_text(f"[0.845s] GC(0) Pause Young (Normal) (G1 Evacuation Pause) 24M->8M(1024M) 4.4ms\n"
+                   f"[{_at(5)}] GC(1) Pause Young (Normal) (G1 Evacuation Pause) 200M->60M(1024M) 7.0ms\n")
+    start = datetime.datetime(2026, 12, 1, 22, 0, 0, tzinfo=datetime.timezone.utc).timestamp()
+    assert _bench_run().broker_pauses(log, start, start + 10)["pauses"] == 1
