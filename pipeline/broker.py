@@ -380,6 +380,15 @@ class LocalBroker:
             # that was most of the old generation, so G1 ran a concurrent marking cycle every
             # few seconds under load, each ~100 ms of a core and two short pauses.
             "log.cleaner.dedupe.buffer.size": str(16 * 1024 * 1024),
+            # A fetch that waits is registered under every partition it names (the gateway's name
+            # 36, a worker's 60) and stays referenced from those lists after it completes until
+            # the purgatory purges them, by default once 1,000 completed ones have piled up. At a
+            # few hundred fetches a second those dead requests outlived each young collection:
+            # the broker copied and promoted megabytes of them every second or two, 10-30 ms a
+            # pause on two cores, and a quiet tenant next to a flooder waited through them. Purged
+            # every 10, the flooded rounds had one or two pauses instead of ten (BENCHMARKS.md).
+            "fetch.purgatory.purge.interval.requests": "10",
+            "producer.purgatory.purge.interval.requests": "10",
         }
         if self.secure or self.is_secure():
             props.update(self._secure_props(controller_port))

@@ -55,3 +55,15 @@ def test_the_local_broker_has_its_whole_heap_from_the_start():
 
     options = LocalBroker(9092, "/tmp/unused", heap="1g").memory_options()
     assert "-Xms1g" in options and "-Xmx1g" in options
+
+
+def test_the_local_broker_purges_completed_delayed_fetches_often(tmp_path):
+    # At Kafka's default (1,000) completed fetches stayed referenced long enough to be copied
+    # and promoted by every young collection under a flood of fetches.
+    from pipeline.broker import LocalBroker
+
+    broker = LocalBroker(9092, tmp_path)
+    broker._write_config(controller_port=9093)
+    props = dict(line.split("=", 1) for line in broker._properties.read_text().splitlines())
+    assert int(props["fetch.purgatory.purge.interval.requests"]) <= 10
+    assert int(props["producer.purgatory.purge.interval.requests"]) <= 10
