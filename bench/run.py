@@ -502,6 +502,31 @@ def broker_pauses(gc_log: Path, start: float, end: float) -> dict:
             "over_20_ms": sum(p > 20 for p in pauses)}
 
 
+def cpu_times(stat: Path = Path("/proc/stat")) -> list[int] | None:
+    """The machine's CPU time so far (Linux ``/proc/stat``, all CPUs): user, nice, system, idle,
+    iowait, irq, softirq, steal, in ticks; None where there is no such file."""
+    try:
+        first = stat.read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    return [int(x) for x in first[1:9]] if first and first[0] == "cpu" else None
+
+
+def machine_load(before: list[int] | None, after: list[int] | None) -> dict:
+    """Where the machine's CPU time went during a scenario, in percent of all CPUs' time: busy
+    (everything but idle and iowait) and steal (time the hypervisor gave another guest). On this
+    shared machine a latency miss has come with end-to-end p50 1.5x its usual: the steal share
+    says whether the machine itself was slower."""
+    if not before or not after:
+        return {}
+    d = [b - a for a, b in zip(before, after)]
+    total = sum(d)
+    if total <= 0:
+        return {}
+    idle = d[3] + d[4]
+    return {"busy_pct": round(100 * (total - idle - d[7]) / total, 1), "steal_pct": round(100 * d[7] / total, 1)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scenarios", nargs="*", choices=[[], *SCENARIOS], default=[],
@@ -545,9 +570,10 @@ def main(argv=None) -> int:
             settings.kafka.bootstrap = bootstrap
             settings.topics.prefix = f"bench{uuid.uuid4().hex[:6]}.llm"
             create_pipeline_topics(settings)
-            started = time.time()
+            started, cpu_before = time.time(), cpu_times()
             try:
                 results[name] = SCENARIOS[name](settings, args)
+                results[name]["machine"] = machine_load(cpu_before, cpu_times())
                 if broker is not None:
                     results[name]["broker_gc"] = broker_pauses(gc_log, started, time.time())
             finally:
