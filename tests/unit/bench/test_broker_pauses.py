@@ -3,19 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def _bench_run():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_run_under_test", ROOT / "bench" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _at(second: int) -> str:
@@ -23,7 +10,7 @@ def _at(second: int) -> str:
         "%Y-%m-%dT%H:%M:%S.%f")[:-3] + "+0000"
 
 
-def test_a_scenario_counts_the_broker_pauses_inside_its_time_span_only(tmp_path):
+def test_a_scenario_counts_the_broker_pauses_inside_its_time_span_only(tmp_path, bench_run):
     log = tmp_path / "gc.log"
     log.write_text("\n".join([
         f"[{_at(0)}] Using G1",
@@ -34,17 +21,17 @@ def test_a_scenario_counts_the_broker_pauses_inside_its_time_span_only(tmp_path)
         f"[{_at(30)}] GC(3) Pause Young (Normal) (G1 Evacuation Pause) 200M->60M(1024M) 9.000ms",
     ]) + "\n")
     start = datetime.datetime(2026, 12, 1, 22, 0, 3, tzinfo=datetime.timezone.utc).timestamp()
-    pauses = _bench_run().broker_pauses(log, start, start + 10)
+    pauses = bench_run.broker_pauses(log, start, start + 10)
     assert pauses == {"pauses": 2, "total_ms": 29, "max_ms": 25.5, "over_20_ms": 1}
 
 
-def test_no_gc_log_is_no_pauses(tmp_path):
-    assert _bench_run().broker_pauses(tmp_path / "missing.log", 0, 1)["pauses"] == 0
+def test_no_gc_log_is_no_pauses(tmp_path, bench_run):
+    assert bench_run.broker_pauses(tmp_path / "missing.log", 0, 1)["pauses"] == 0
 
 
-def test_a_line_decorated_otherwise_is_left_out_and_the_rest_still_counted(tmp_path):
+def test_a_line_decorated_otherwise_is_left_out_and_the_rest_still_counted(tmp_path, bench_run):
     log = tmp_path / "gc.log"
     log.write_text(f"[0.845s] GC(0) Pause Young (Normal) (G1 Evacuation Pause) 24M->8M(1024M) 4.4ms\n"
                    f"[{_at(5)}] GC(1) Pause Young (Normal) (G1 Evacuation Pause) 200M->60M(1024M) 7.0ms\n")
     start = datetime.datetime(2026, 12, 1, 22, 0, 0, tzinfo=datetime.timezone.utc).timestamp()
-    assert _bench_run().broker_pauses(log, start, start + 10)["pauses"] == 1
+    assert bench_run.broker_pauses(log, start, start + 10)["pauses"] == 1

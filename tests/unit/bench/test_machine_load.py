@@ -2,33 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def _bench_run():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_run_machine_under_test", ROOT / "bench" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_busy_and_steal_are_shares_of_all_cpu_time_in_between(tmp_path):
-    run = _bench_run()
+def test_busy_and_steal_are_shares_of_all_cpu_time_in_between(tmp_path, bench_run):
     stat = tmp_path / "stat"
     stat.write_text("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3\n")
-    before = run.cpu_times(stat)
+    before = bench_run.cpu_times(stat)
     stat.write_text("cpu  160 0 70 880 20 0 10 60 0 0\ncpu0 1 2 3\n")
-    after = run.cpu_times(stat)
+    after = bench_run.cpu_times(stat)
     # in between: user 60, system 20, idle 80, iowait 10, softirq 5, steal 25: 200 ticks
-    assert run.machine_load(before, after) == {"busy_pct": 42.5, "steal_pct": 12.5}
+    assert bench_run.machine_load(before, after) == {"busy_pct": 42.5, "steal_pct": 12.5}
 
 
-def test_without_proc_stat_the_scenario_just_has_no_machine_figures(tmp_path):
-    run = _bench_run()
-    assert run.cpu_times(tmp_path / "missing") is None
-    assert run.machine_load(None, [1, 2, 3, 4, 5, 6, 7, 8]) == {}
+def test_without_proc_stat_the_scenario_just_has_no_machine_figures(tmp_path, bench_run):
+    assert bench_run.cpu_times(tmp_path / "missing") is None
+    assert bench_run.machine_load(None, [1, 2, 3, 4, 5, 6, 7, 8]) == {}
