@@ -387,6 +387,11 @@ class GatewaySettings:
     #: end-to-end p99 at 1,000 req/s 30-36 ms against 38-41, gateway 40 % of a core against 28,
     #: broker 70 % against 63; a quiet tenant next to a flooder in its band 28-30 ms against 36-38.
     busy_fetch_wait_ms: int = 3
+    #: Incremental fetch sessions (KIP-227, pipeline.gateway.fetch_sessions): after the first
+    #: fetch a request names only the partitions whose offsets moved and the broker answers only
+    #: for partitions with records, instead of all of them every time (aiokafka sends no
+    #: session). false = aiokafka's full fetches.
+    fetch_sessions: bool = True
     #: Bands whose requests end that gathering: for a second after a fetch brought one of
     #: them, every fetch answers with the first record again. One fetch names every partition,
     #: so gathering behind a BACKGROUND flood held a sparse CRITICAL request back too. [] = none.

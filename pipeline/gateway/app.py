@@ -305,6 +305,7 @@ class Gateway:
         t = settings.topics
         faust_fixes.FETCH_MAX_WAIT_MS = g.fetch_max_wait_ms
         faust_fixes.BUSY_FETCH_WAIT_MS = g.busy_fetch_wait_ms
+        faust_fixes.FETCH_SESSIONS = g.fetch_sessions
         faust_fixes.PROMPT_FETCH_TOPICS = frozenset(t.request_topic(Priority[b]) for b in g.prompt_fetch_bands)
         self.codec = codec_for(settings.serde)
         self._wire = settings.serde.wire_format

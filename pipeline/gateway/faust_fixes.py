@@ -29,6 +29,8 @@
    (100 ms): each first write to a changelog partition held admission up to 100 ms (a quiet
    tenant's admission p99 86-94 ms, 10 ms with this), and every fetch named 24 partitions
    the gateway does not read.
+7. **Incremental fetch sessions** (:mod:`pipeline.gateway.fetch_sessions`): aiokafka never
+   opens one, so every fetch names, and every answer describes, all assigned partitions.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from faust.transport import drivers
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
+from pipeline.gateway.fetch_sessions import use_fetch_sessions
 from pipeline.gateway.intake import Acks
 
 _EVENT_WAIT = asyncio.Event.wait.__code__  # the consumer's suspend_flow is an asyncio.Event
@@ -50,6 +53,7 @@ BUSY_FETCH_WAIT_MS = 3  # likewise: the fetch wait while data keeps arriving (0 
 BUSY_FETCH_MIN_BYTES = 1 << 20
 PROMPT_FETCH_TOPICS: frozenset = frozenset()  # likewise: the topics whose records end the gathering
 PROMPT_FETCH_HOLD_S = 1.0  # for this long after the last record of one of them
+FETCH_SESSIONS = True  # likewise: incremental fetch sessions (pipeline.gateway.fetch_sessions)
 _applied = False
 
 
@@ -97,6 +101,8 @@ class _ShortFetchThread(faust_aiokafka.AIOKafkaConsumerThread):
         async def start_then_adapt():
             await start()
             fetch_only_what_faust_reads(consumer._fetcher, self.consumer._paused_partitions)
+            if FETCH_SESSIONS:
+                use_fetch_sessions(consumer._fetcher)
             if BUSY_FETCH_WAIT_MS:
                 adapt_fetch_waits(consumer._fetcher, FETCH_MAX_WAIT_MS, BUSY_FETCH_WAIT_MS, BUSY_FETCH_MIN_BYTES,
                                   prompt_topics=PROMPT_FETCH_TOPICS, prompt_hold_s=PROMPT_FETCH_HOLD_S)
