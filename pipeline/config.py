@@ -390,8 +390,9 @@ class GatewaySettings:
     #: Incremental fetch sessions (KIP-227, pipeline.gateway.fetch_sessions): after the first
     #: fetch a request names only the partitions whose offsets moved and the broker answers only
     #: for partitions with records, instead of all of them every time (aiokafka sends no
-    #: session). false = aiokafka's full fetches.
-    fetch_sessions: bool = True
+    #: session). Off by default for now: in the last full benchmark with it on, one flooded
+    #: round held a quiet tenant's requests for 8.9 s (cause not found; BENCHMARKS.md).
+    fetch_sessions: bool = False
     #: Bands whose requests end that gathering: for a second after a fetch brought one of
     #: them, every fetch answers with the first record again. One fetch names every partition,
     #: so gathering behind a BACKGROUND flood held a sparse CRITICAL request back too. [] = none.

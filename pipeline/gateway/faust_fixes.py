@@ -53,7 +53,7 @@ BUSY_FETCH_WAIT_MS = 3  # likewise: the fetch wait while data keeps arriving (0 
 BUSY_FETCH_MIN_BYTES = 1 << 20
 PROMPT_FETCH_TOPICS: frozenset = frozenset()  # likewise: the topics whose records end the gathering
 PROMPT_FETCH_HOLD_S = 1.0  # for this long after the last record of one of them
-FETCH_SESSIONS = True  # likewise: incremental fetch sessions (pipeline.gateway.fetch_sessions)
+FETCH_SESSIONS = False  # likewise: incremental fetch sessions (pipeline.gateway.fetch_sessions)
 _applied = False
 
 
