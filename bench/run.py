@@ -44,6 +44,8 @@ from pipeline.topics import TopicSpec, create_pipeline_topics, ensure_topics  # 
 from pipeline.worker.backends.simulated import SimulatedBackend  # noqa: E402
 from pipeline.worker.loop import Worker  # noqa: E402
 
+from machine import StallWatch, cpu_times, machine_load  # noqa: E402  (bench/, beside this script)
+
 RESULTS = ROOT / "bench" / "results.json"
 
 #: JVM options of the broker this benchmark starts. Empty: the JVM's optimising JIT, as a
@@ -502,31 +504,6 @@ def broker_pauses(gc_log: Path, start: float, end: float) -> dict:
             "over_20_ms": sum(p > 20 for p in pauses)}
 
 
-def cpu_times(stat: Path = Path("/proc/stat")) -> list[int] | None:
-    """The machine's CPU time so far (Linux ``/proc/stat``, all CPUs): user, nice, system, idle,
-    iowait, irq, softirq, steal, in ticks; None where there is no such file."""
-    try:
-        first = stat.read_text().splitlines()[0].split()
-    except (OSError, IndexError):
-        return None
-    return [int(x) for x in first[1:9]] if first and first[0] == "cpu" else None
-
-
-def machine_load(before: list[int] | None, after: list[int] | None) -> dict:
-    """Where the machine's CPU time went during a scenario, in percent of all CPUs' time: busy
-    (everything but idle and iowait) and steal (time the hypervisor gave another guest). On this
-    shared machine a latency miss has come with end-to-end p50 1.5x its usual: the steal share
-    says whether the machine itself was slower."""
-    if not before or not after:
-        return {}
-    d = [b - a for a, b in zip(before, after)]
-    total = sum(d)
-    if total <= 0:
-        return {}
-    idle = d[3] + d[4]
-    return {"busy_pct": round(100 * (total - idle - d[7]) / total, 1), "steal_pct": round(100 * d[7] / total, 1)}
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scenarios", nargs="*", choices=[[], *SCENARIOS], default=[],
@@ -558,6 +535,7 @@ def main(argv=None) -> int:
     # As `llmq worker` does at start (the workers measured here run in this process).
     freeze_long_lived("bench")
     results = {}
+    watch = StallWatch(Path(tmp.name) / "stalls.log")
     try:
         if broker is not None and args.broker_warm_up > 0:
             _log(f"warming the broker for {args.broker_warm_up:.0f} s")
@@ -573,12 +551,14 @@ def main(argv=None) -> int:
             started, cpu_before = time.time(), cpu_times()
             try:
                 results[name] = SCENARIOS[name](settings, args)
-                results[name]["machine"] = machine_load(cpu_before, cpu_times())
+                results[name]["machine"] = {**machine_load(cpu_before, cpu_times()),
+                                            **watch.stalls(started, time.time())}
                 if broker is not None:
                     results[name]["broker_gc"] = broker_pauses(gc_log, started, time.time())
             finally:
                 _drop_bench_topics(bootstrap, broker.data_dir / "data" if broker is not None else None)
     finally:
+        watch.stop()
         if broker is not None:
             broker.down()
         tmp.cleanup()

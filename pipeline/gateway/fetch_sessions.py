@@ -131,7 +131,8 @@ def use_fetch_sessions(fetcher) -> dict:
             log.info("fetch session %d with broker %s ended by error %d: the next fetch is a full one",
                      was, node_id, error_code)
         elif session.id and session.id != was:
-            log.debug("fetch session %d opened with broker %s (%d partitions)", session.id, node_id, len(session.sent))
+            # Once per assignment when all is well: more often means sessions are being lost.
+            log.info("fetch session %d opened with broker %s (%d partitions)", session.id, node_id, len(session.sent))
         return response
 
     fetcher._get_actions_per_node = get_actions_per_node

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import time
+
 
 def test_busy_and_steal_are_shares_of_all_cpu_time_in_between(tmp_path, bench_run):
     stat = tmp_path / "stat"
@@ -16,3 +19,24 @@ def test_busy_and_steal_are_shares_of_all_cpu_time_in_between(tmp_path, bench_ru
 def test_without_proc_stat_the_scenario_just_has_no_machine_figures(tmp_path, bench_run):
     assert bench_run.cpu_times(tmp_path / "missing") is None
     assert bench_run.machine_load(None, [1, 2, 3, 4, 5, 6, 7, 8]) == {}
+
+
+def test_stalls_are_counted_inside_the_scenarios_window_only(bench_run):
+    machine = sys.modules["machine"]  # bench/machine.py, loaded by bench/run.py
+    log = "999.0 80.0\n1500.0 120.5\n1800.0 60.0\nnot a line\n2500.0 3000.0\n"
+    assert machine.summarise_stalls(log, start=1.0, end=2.0, threshold_ms=50) == {
+        "stalls_over_ms": 50, "stalls": 2, "longest_stall_ms": 120.5}
+    assert machine.summarise_stalls("", start=1.0, end=2.0, threshold_ms=50)["longest_stall_ms"] == 0.0
+
+
+def test_the_stall_watch_runs_beside_the_benchmark_and_stops(tmp_path, bench_run):
+    machine = sys.modules["machine"]
+    watch = machine.StallWatch(tmp_path / "stalls.log", threshold_ms=50)
+    try:
+        started = time.time()
+        time.sleep(0.3)
+        assert watch.proc.poll() is None
+        assert watch.stalls(started, time.time())["stalls_over_ms"] == 50
+    finally:
+        watch.stop()
+    assert watch.proc.poll() is not None
