@@ -621,6 +621,8 @@ def end_to_end_latency(settings: Settings, args) -> dict:
     at_1000 = {**runs[0], **{k: statistics.median(r[k] for r in runs) for k in keys},
                "responses": sum(r["responses"] for r in runs),
                "runs": [{**{k: r[k] for k in keys}, "machine": r["machine"]} for r in runs],
+               "hops_ms": {hop: {q: statistics.median(r["hops_ms"][hop][q] for r in runs) for q in ("p50", "p99")}
+                           for hop in runs[0]["hops_ms"] if all(hop in r["hops_ms"] for r in runs)},
                "measured": "each percentile the median of three 10-s runs (the first second of each left out)"}
     at_300 = _latency_at(settings, 300)
     # On one small broker every partition costs: librdkafka sends a produce request per
@@ -628,7 +630,68 @@ def end_to_end_latency(settings: Settings, args) -> dict:
     small = _latency_at(settings, 1000, partitions=SMALL_TOPOLOGY)
     return {**at_1000, "at_300_per_s": at_300,
             "small_topology": {"partitions": SMALL_TOPOLOGY, **{k: small[k] for k in (
-                "rate_per_s", "p50_ms", "p99_ms", "admission_p50_ms", "admission_p99_ms", "responses", "machine")}}}
+                "rate_per_s", "p50_ms", "p99_ms", "admission_p50_ms", "admission_p99_ms", "responses", "hops_ms", "machine")}}}
+
+
+#: The hops of a request's way, each between two moments the scenario can see: the client's
+#: ``created_at``, the broker's append to the request topic, the gateway's ``admitted_at``, the
+#: append to the dispatch topic, the worker's ``started_at``, the append of the response and its
+#: arrival at the reader. The appends are the broker's own clock (the scenario's topics keep
+#: ``LogAppendTime``; nothing in llmq reads record timestamps).
+HOPS = (("client_produce", 0, 1), ("gateway_fetch", 1, 2), ("gateway_produce", 2, 3), ("worker_fetch", 3, 4),
+        ("worker_answer", 4, 5), ("reader_fetch", 5, 6))
+
+
+def stamp_appends(settings: Settings, topics: list[str]) -> None:
+    """Have the broker stamp ``topics``' records with the time it appended them."""
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource
+
+    admin = AdminClient({"bootstrap.servers": settings.kafka.bootstrap})
+    entry = ConfigEntry("message.timestamp.type", "LogAppendTime", incremental_operation=AlterConfigOpType.SET)
+    for future in admin.incremental_alter_configs(
+            [ConfigResource("topic", t, incremental_configs=[entry]) for t in topics]).values():
+        future.result()
+
+
+def append_times(settings: Settings, topic: str, decode) -> dict[str, int]:
+    """request_id → the broker's append time (ms) of every decodable record of ``topic``."""
+    consumer = Consumer({"bootstrap.servers": settings.kafka.bootstrap, "group.id": f"bench-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False})
+    out: dict[str, int] = {}
+    try:
+        parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts}
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
+        done = {p for p, end in ends.items() if end == 0}
+        deadline = time.monotonic() + 60
+        while len(done) < len(parts) and time.monotonic() < deadline:
+            for m in consumer.consume(1000, 0.5):
+                if m.error() is not None:
+                    continue
+                if m.offset() + 1 >= ends[m.partition()]:
+                    done.add(m.partition())
+                try:
+                    out[decode(m.value()).request_id] = m.timestamp()[1]
+                except Exception:  # noqa: BLE001 (a record this split cannot place is left out of it)
+                    pass
+    finally:
+        consumer.close()
+    return out
+
+
+def hop_split(got: list, appended: dict[str, dict[str, int]]) -> dict:
+    """p50 and p99 of each of ``HOPS`` over the measured responses ``got`` ((arrival ms,
+    Response, response append ms))."""
+    request, dispatch = appended.get("request", {}), appended.get("dispatch", {})
+    hops: dict[str, list[int]] = {name: [] for name, _, _ in HOPS}
+    for arrived, r, response_appended in got:
+        rid = r.request_id
+        if rid not in request or rid not in dispatch or not r.admitted_at or not r.started_at:
+            continue
+        moments = (r.created_at, request[rid], r.admitted_at, dispatch[rid], r.started_at, response_appended, arrived)
+        for name, a, b in HOPS:
+            hops[name].append(moments[b] - moments[a])
+    return {name: {"p50": sorted(xs)[len(xs) // 2], "p99": p99(xs)} for name, xs in hops.items() if xs}
 
 
 #: A topology sized for one broker at about 1,000 req/s (topics.<kind>_partitions).
@@ -645,7 +708,10 @@ LOW_LATENCY_LINGER_MS = 1
 def _latency_at(settings: Settings, rate: int, *, partitions: dict[str, int] | None = None) -> dict:
     seconds = 10
     s = fresh(settings, partitions=partitions)
+    stamp_appends(s, [s.topics.request_topic(Priority.NORMAL), s.topics.dispatch_topic(Priority.NORMAL),
+                      s.topics.responses])
     codec = Codec.default()
+    appended: dict[str, dict[str, int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         linger = LOW_LATENCY_LINGER_MS
         gw = GatewayProcess(s, GENEROUS.format(extra=f"high_load = 10\ndegrade_load = 10\nproducer_linger_ms = {linger}",
@@ -674,6 +740,9 @@ def _latency_at(settings: Settings, rate: int, *, partitions: dict[str, int] | N
                 gc.enable()
                 # The run's p99 follows the hypervisor's steal (BENCHMARKS.md): each run says its own.
                 machine = machine_load(cpu_before, cpu_times())
+            for hop, topic in (("request", s.topics.request_topic(Priority.NORMAL)),
+                               ("dispatch", s.topics.dispatch_topic(Priority.NORMAL))):
+                appended[hop] = append_times(s, topic, codec.decode_request)
         finally:
             worker.stop()
             gw.stop()
@@ -687,6 +756,7 @@ def _latency_at(settings: Settings, rate: int, *, partitions: dict[str, int] | N
     t = s.topics
     return {"rate_per_s": rate, "p50_ms": lat[len(lat) // 2], "p99_ms": p99(lat), "responses": len(got),
             "admission_p50_ms": admission[len(admission) // 2], "admission_p99_ms": p99(admission),
+            "hops_ms": hop_split([(arrived, r, ts) for arrived, r, ts in got if r.created_at >= start], appended),
             "seconds": seconds, "machine": machine, "partitions": {"request": t.request_partitions, "dispatch": t.dispatch_partitions,
                                                "response": t.response_partitions},
             "tuning": "gateway: aiokafka fetch_max_wait 100 ms when idle (faust hard-codes 1500), 3 ms / 1 MiB "
