@@ -390,9 +390,11 @@ class GatewaySettings:
     #: Incremental fetch sessions (KIP-227, pipeline.gateway.fetch_sessions): after the first
     #: fetch a request names only the partitions whose offsets moved and the broker answers only
     #: for partitions with records, instead of all of them every time (aiokafka sends no
-    #: session). Off by default for now: in the last full benchmark with it on, one flooded
-    #: round held a quiet tenant's requests for 8.9 s (cause not found; BENCHMARKS.md).
-    fetch_sessions: bool = False
+    #: session). Fewer broker collections (a third fewer young pauses in the benchmark's
+    #: flooded scenarios) and a few percent of a core less at gateway and broker. One flooded
+    #: benchmark round with it on held a quiet tenant for 8.9 s, cause not found and not seen
+    #: again in 32 flooded rounds since (BENCHMARKS.md); false is aiokafka's own fetching.
+    fetch_sessions: bool = True
     #: Bands whose requests end that gathering: for a second after a fetch brought one of
     #: them, every fetch answers with the first record again. One fetch names every partition,
     #: so gathering behind a BACKGROUND flood held a sparse CRITICAL request back too. [] = none.
