@@ -759,7 +759,7 @@ def _latency_at(settings: Settings, rate: int, *, partitions: dict[str, int] | N
             "hops_ms": hop_split([(arrived, r, ts) for arrived, r, ts in got if r.created_at >= start], appended),
             "seconds": seconds, "machine": machine, "partitions": {"request": t.request_partitions, "dispatch": t.dispatch_partitions,
                                                "response": t.response_partitions},
-            "tuning": "gateway: aiokafka fetch_max_wait 100 ms when idle (faust hard-codes 1500), 3 ms / 1 MiB "
+            "tuning": "gateway: incremental fetch sessions (fetch_sessions), aiokafka fetch_max_wait 100 ms when idle (faust hard-codes 1500), 3 ms / 1 MiB "
                       "while records keep arriving (busy_fetch_wait_ms), each fetch handed over as batches (no "
                       f"wait), librdkafka linger {linger} ms (producer_linger_ms; BACKGROUND dispatches and "
                       "changelogs 50 ms), table changes written every 200 ms; worker (its own process, llmq "

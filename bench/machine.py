@@ -1,10 +1,10 @@
 """What the machine itself did while a scenario ran: CPU shares and stalls.
 
 This machine is two cores shared with a hypervisor's other guests. Latency figures moved with
-the machine (the end-to-end p99 at 1,000 req/s was 37-50 ms in runs with under 1 % steal and
-57-145 ms with 4-20 %), so every scenario's result says how busy the machine was, how much of
-it the hypervisor took, and whether anything on it stopped for longer than a scheduler would
-ever hold a sleeping process back.
+the machine (the end-to-end p99 at 1,000 req/s was 34-53 ms in runs with under 1 % steal on
+a warmed broker and 57-145 ms with 3-20 %), so every scenario's result says how busy the
+machine was, how much of it the hypervisor took, and whether anything on it stopped for longer
+than a scheduler would ever hold a sleeping process back.
 """
 
 from __future__ import annotations
