@@ -9,6 +9,7 @@ than a scheduler would ever hold a sleeping process back.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,9 +43,10 @@ def machine_load(before: list[int] | None, after: list[int] | None) -> dict:
 # collector is measured. A process that sleeps 10 ms is woken within a few ms even on two busy
 # cores (the scheduler favours sleepers); a longer gap means the whole guest stood still.
 _WATCH = r"""
-import sys, time
+import os, sys, time
 threshold, out = float(sys.argv[1]) / 1000, open(sys.argv[2], "a", buffering=1)
-while True:
+parent = int(sys.argv[3])  # the benchmark's pid, given: it may be gone before this line runs
+while os.getppid() == parent:  # a benchmark killed outright leaves no watcher behind
     t = time.monotonic()
     time.sleep(0.01)
     late = time.monotonic() - t - 0.01
@@ -62,7 +64,7 @@ class StallWatch:
         self.path = path
         self.threshold_ms = threshold_ms
         path.touch()
-        self.proc = subprocess.Popen([sys.executable, "-c", _WATCH, str(threshold_ms), str(path)],
+        self.proc = subprocess.Popen([sys.executable, "-c", _WATCH, str(threshold_ms), str(path), str(os.getpid())],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
     def stalls(self, start: float, end: float) -> dict:

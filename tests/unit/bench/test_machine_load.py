@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def test_busy_and_steal_are_shares_of_all_cpu_time_in_between(tmp_path, bench_run):
@@ -40,3 +42,25 @@ def test_the_stall_watch_runs_beside_the_benchmark_and_stops(tmp_path, bench_run
     finally:
         watch.stop()
     assert watch.proc.poll() is not None
+
+
+def test_the_stall_watch_ends_with_a_benchmark_killed_outright(tmp_path, bench_run):
+    # A benchmark process that dies without its finally blocks (SIGKILL): its watcher goes too.
+    bench_dir = Path(sys.modules["machine"].__file__).parent
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); import machine; "
+            "w = machine.StallWatch(machine.Path(sys.argv[2])); print(w.proc.pid, flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code, str(bench_dir), str(tmp_path / "stalls.log")],
+                         capture_output=True, text=True, timeout=30, check=True)
+    watcher = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and Path(f"/proc/{watcher}").exists() \
+            and "zombie" not in _state(watcher):
+        time.sleep(0.05)
+    assert not Path(f"/proc/{watcher}").exists() or "zombie" in _state(watcher)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "gone"
