@@ -24,7 +24,7 @@ from pathlib import Path
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
-from machine import cpu_times, machine_load
+from machine import cpu_times, machine_load, runs_on_a_quiet_machine
 
 from pipeline.config import Settings
 from pipeline.models import Priority, Request
@@ -616,14 +616,28 @@ def end_to_end_latency(settings: Settings, args) -> dict:
     # One 10-s run's p99 is about its 90th-longest wait, and one pause of any of the five
     # processes on these two cores moves it (41 and 86 ms in two full runs of the same code):
     # three runs at 1,000 req/s, each percentile the median of the three, every run listed.
-    runs = [_latency_at(settings, 1000) for _ in range(3)]
+    # The pipeline takes ~155 % of the machine's 200 % at this rate, so a spell in which the
+    # hypervisor takes 15-30 % of the CPU overloads it and the p99 measures that spell
+    # (BENCHMARKS.md): a run with QUIET_STEAL_PCT or more steal is kept, reported, and made again.
+    quiet, stolen = runs_on_a_quiet_machine(lambda: _latency_at(settings, 1000), wanted=3, most=QUIET_MOST_RUNS,
+                                            steal_pct=QUIET_STEAL_PCT, pause_s=QUIET_PAUSE_S, log=_log)
+    runs = quiet if len(quiet) == 3 else quiet + stolen
     keys = ("p50_ms", "p99_ms", "admission_p50_ms", "admission_p99_ms")
+
+    def listed(rs: list[dict]) -> list[dict]:
+        return [{**{k: r[k] for k in keys}, "machine": r["machine"]} for r in rs]
+
     at_1000 = {**runs[0], **{k: statistics.median(r[k] for r in runs) for k in keys},
                "responses": sum(r["responses"] for r in runs),
-               "runs": [{**{k: r[k] for k in keys}, "machine": r["machine"]} for r in runs],
+               "runs": listed(runs), "stolen_runs": listed(stolen) if runs is quiet else [],
+               "quiet_machine": runs is quiet, "steal_limit_pct": QUIET_STEAL_PCT,
+               "p99_ms_every_run": statistics.median(r["p99_ms"] for r in quiet + stolen),
                "hops_ms": {hop: {q: statistics.median(r["hops_ms"][hop][q] for r in runs) for q in ("p50", "p99")}
                            for hop in runs[0]["hops_ms"] if all(hop in r["hops_ms"] for r in runs)},
-               "measured": "each percentile the median of three 10-s runs (the first second of each left out)"}
+               "measured": ("each percentile the median of three 10-s runs (the first second of each left out), "
+                            f"each with under {QUIET_STEAL_PCT} % steal (a run with more is listed under "
+                            f"stolen_runs and made again, {QUIET_MOST_RUNS} runs at most; without three such "
+                            "runs, the median of every run, and quiet_machine false)")}
     at_300 = _latency_at(settings, 300)
     # On one small broker every partition costs: librdkafka sends a produce request per
     # partition and linger, and every fetch reads each partition of the consumer's session.
@@ -695,6 +709,12 @@ def hop_split(got: list, appended: dict[str, dict[str, int]]) -> dict:
 
 
 #: A topology sized for one broker at about 1,000 req/s (topics.<kind>_partitions).
+#: end_to_end_latency's runs count when the hypervisor took less than this share of the CPU
+#: during them (under 1 %: p99 34-53 ms; 3-30 %: 57-160 ms, BENCHMARKS.md); a stolen run is
+#: made again after a pause, up to QUIET_MOST_RUNS runs in all (~25 s each).
+QUIET_STEAL_PCT = 2.0
+QUIET_MOST_RUNS = 8
+QUIET_PAUSE_S = 15.0
 SMALL_TOPOLOGY = {"request": 2, "dispatch": 2, "response": 2}
 
 #: The latency tuning of this scenario: every producer on the path (the client's, the gateway's

@@ -86,3 +86,30 @@ def summarise_stalls(log: str, start: float, end: float, threshold_ms: float) ->
         if start * 1000 <= at_ms <= end * 1000:
             lates.append(late_ms)
     return {"stalls_over_ms": threshold_ms, "stalls": len(lates), "longest_stall_ms": round(max(lates, default=0.0), 1)}
+
+
+def runs_on_a_quiet_machine(run, *, wanted: int, most: int, steal_pct: float, pause_s: float,
+                            log=print, sleep=None) -> tuple[list[dict], list[dict]]:
+    """Call ``run()`` (a dict with ``machine.steal_pct``) until ``wanted`` of its runs had the
+    hypervisor take under ``steal_pct`` of the CPU, or ``most`` runs were made; after a stolen
+    run, wait ``pause_s`` first (steal comes in spells). Returns (quiet runs, stolen runs).
+
+    Which runs count is decided by the steal measured during each run, never by its result,
+    and the stolen ones are returned to be reported beside the quiet ones."""
+    import time
+
+    sleep = sleep or time.sleep
+    quiet: list[dict] = []
+    stolen: list[dict] = []
+    while len(quiet) < wanted and len(quiet) + len(stolen) < most:
+        result = run()
+        steal = result.get("machine", {}).get("steal_pct")
+        if steal is not None and steal >= steal_pct:
+            stolen.append(result)
+            log(f"  run {len(quiet) + len(stolen)}: the hypervisor took {steal} % of the CPU "
+                f"(≥ {steal_pct} %): kept as stolen, run again in {pause_s:.0f} s")
+            if len(quiet) + len(stolen) < most:
+                sleep(pause_s)
+        else:
+            quiet.append(result)
+    return quiet, stolen

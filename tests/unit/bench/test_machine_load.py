@@ -64,3 +64,44 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().lower()
     except OSError:
         return "gone"
+
+
+def _runs(*steals):
+    """A stand-in for one latency run after another, each with the steal given, numbered."""
+    made = []
+
+    def run():
+        made.append(len(made) + 1)
+        return {"p99_ms": 10 * len(made), "machine": {"steal_pct": steals[len(made) - 1]}}
+
+    return run, made
+
+
+def test_runs_are_made_until_enough_of_them_had_the_cpu_to_themselves(bench_run):
+    machine = sys.modules["machine"]
+    run, made = _runs(0.4, 16.3, 1.9, 29.4, 0.1)
+    pauses = []
+    quiet, stolen = machine.runs_on_a_quiet_machine(run, wanted=3, most=8, steal_pct=2.0, pause_s=15,
+                                                    log=lambda msg: None, sleep=pauses.append)
+    assert [r["p99_ms"] for r in quiet] == [10, 30, 50]
+    assert [r["p99_ms"] for r in stolen] == [20, 40]  # kept, to be reported beside the quiet ones
+    assert made == [1, 2, 3, 4, 5] and pauses == [15, 15]
+
+
+def test_a_machine_that_stays_stolen_from_ends_the_runs_at_the_most_allowed(bench_run):
+    machine = sys.modules["machine"]
+    run, made = _runs(5.0, 0.5, 7.0, 9.0, 12.0)
+    pauses = []
+    quiet, stolen = machine.runs_on_a_quiet_machine(run, wanted=3, most=4, steal_pct=2.0, pause_s=15,
+                                                    log=lambda msg: None, sleep=pauses.append)
+    assert len(quiet) == 1 and len(stolen) == 3 and made == [1, 2, 3, 4]
+    assert pauses == [15, 15]  # none after the last run: nothing follows it
+
+
+def test_a_run_without_a_steal_figure_counts_as_quiet(bench_run):
+    # a machine without /proc/stat (machine_load gives {}) cannot tell; the runs stand as made
+    machine = sys.modules["machine"]
+    quiet, stolen = machine.runs_on_a_quiet_machine(lambda: {"p99_ms": 1, "machine": {}}, wanted=3, most=8,
+                                                    steal_pct=2.0, pause_s=15, log=lambda msg: None,
+                                                    sleep=lambda s: None)
+    assert len(quiet) == 3 and stolen == []
