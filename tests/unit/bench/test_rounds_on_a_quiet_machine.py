@@ -1,0 +1,68 @@
+"""The latency scenarios' rounds measured while the hypervisor took a share of the CPU are set
+aside and made again (no broker: the rounds are stand-ins)."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+
+
+def _stand_ins(monkeypatch, gateway_bench, steals):
+    """Each measured half-round takes the next of ``steals``; waits grow with the half-round."""
+    steal = iter(steals)
+    monkeypatch.setattr(gateway_bench, "cpu_times", lambda: [0])
+    monkeypatch.setattr(gateway_bench, "machine_load", lambda before, after: {"steal_pct": next(steal)})
+    monkeypatch.setattr(gateway_bench, "_log", lambda msg: None)
+    monkeypatch.setattr(gateway_bench, "QUIET_PAUSE_S", 0.0)
+
+
+def test_a_fairness_round_with_steal_on_either_side_is_set_aside_and_made_again(bench_run, monkeypatch, tmp_path):
+    gateway_bench = importlib.import_module("gateway_bench")
+    # round 2's flooded half and round 5's alone half were stolen from
+    _stand_ins(monkeypatch, gateway_bench, [0.1, 0.2, 0.3, 9.0] + [0.1] * 6 + [25.0, 0.1] + [0.1] * 8)
+    half = itertools.count(1)
+    monkeypatch.setattr(gateway_bench, "_quiet_waits",
+                        lambda settings, logs, flooder: ([float(next(half))] * 10, {"capacity_per_s": 200.0}))
+    monkeypatch.setattr(gateway_bench, "_jain", lambda settings, tmp: 0.9)
+    result = gateway_bench.tenant_fairness(None, None)
+    assert result["quiet_machine"] is True and result["steal_limit_pct"] == 2.0
+    assert result["alone_runs_ms"] == [1, 5, 7, 9, 13, 15, 17]
+    assert result["set_aside_for_steal"] == [
+        {"alone": 3, "flood": 4, "alone_steal_pct": 0.3, "flood_steal_pct": 9.0},
+        {"alone": 11, "flood": 12, "alone_steal_pct": 25.0, "flood_steal_pct": 0.1}]
+    assert result["flood_runs_steal_pct"] == [0.2] + [0.1] * 6
+
+
+def test_priority_isolation_keeps_five_quiet_rounds_and_its_baselines_once(bench_run, monkeypatch):
+    gateway_bench = importlib.import_module("gateway_bench")
+    _stand_ins(monkeypatch, gateway_bench, [3.0, 0.1] + [0.1] * 10)
+    calls = []
+
+    def critical_waits(settings, factor, capacity, seconds, *, fifo, gateway, tmp):
+        calls.append((factor, fifo, gateway))
+        return [(2500, 10 * len(calls), 1)] * 5  # (created after the onset, wait, until admitted)
+
+    monkeypatch.setattr(gateway_bench, "_critical_waits", critical_waits)
+    result = gateway_bench.priority_isolation(None, None)
+    assert result["alone_runs_ms"] == [30, 50, 70, 90, 110] and result["flood_runs_ms"] == [40, 60, 80, 100, 120]
+    assert result["set_aside_for_steal"] == [{"alone": 10, "flood": 20, "alone_steal_pct": 3.0, "flood_steal_pct": 0.1}]
+    assert calls[12:] == [(0, True, False), (3, True, False), (0, False, False), (3, False, False)]
+    assert result["baseline_fifo_p99_alone_ms"] == 130
+
+
+def test_end_to_end_latency_reports_the_runs_it_set_aside_and_the_median_of_every_run(bench_run, monkeypatch):
+    gateway_bench = importlib.import_module("gateway_bench")
+    _stand_ins(monkeypatch, gateway_bench, [])
+    steal, made = iter([0.5, 16.0, 1.0, 0.3, 0.1, 0.2]), itertools.count(1)
+
+    def latency_at(settings, rate, partitions=None):
+        i = next(made)
+        return {"rate_per_s": rate, "p50_ms": i, "p99_ms": 10 * i, "admission_p50_ms": 1, "admission_p99_ms": 2,
+                "responses": 100, "hops_ms": {"gateway_fetch": {"p50": 1, "p99": 2}},
+                "machine": {"steal_pct": next(steal)}}
+
+    monkeypatch.setattr(gateway_bench, "_latency_at", latency_at)
+    result = gateway_bench.end_to_end_latency(None, None)
+    assert [r["p99_ms"] for r in result["runs"]] == [10, 30, 40] and result["p99_ms"] == 30
+    assert [r["p99_ms"] for r in result["set_aside_for_steal"]] == [20]
+    assert result["p99_ms_every_run"] == 25.0 and result["quiet_machine"] is True
