@@ -445,18 +445,14 @@ def priority_isolation(settings: Settings, args) -> dict:
         def one_round() -> dict:
             r = len(made)
             made.append(r)
-            out: dict = {"machine": {}}
+            out: dict = {}
             for kind, factor in (("alone", 0), ("flood", 3)):
                 before = cpu_times()
                 out[kind] = waits_of(f"{kind}{r}", factor, False, True)
                 out[f"{kind}_steal_pct"] = machine_load(before, cpu_times()).get("steal_pct")
-            steals = [x for x in (out["alone_steal_pct"], out["flood_steal_pct"]) if x is not None]
-            if steals:
-                out["machine"]["steal_pct"] = max(steals)
             return out
 
-        chosen, aside, quiet = runs_on_a_quiet_machine(one_round, wanted=rounds, most=2 * rounds,
-                                                       steal_pct=QUIET_STEAL_PCT, pause_s=QUIET_PAUSE_S, log=_log)
+        chosen, aside, quiet = quiet_rounds(one_round, rounds)
         runs = {f"{kind}{r}": chosen[r][kind] for r in range(rounds) for kind in ("alone", "flood")}
         for name, factor, fifo, gateway in baselines:
             runs[name] = waits_of(name, factor, fifo, gateway)
@@ -613,7 +609,7 @@ def tenant_fairness(settings: Settings, args) -> dict:
         def one_round() -> dict:
             r = len(made)
             made.append(r)
-            out: dict = {"machine": {}}
+            out: dict = {}
             for kind in ("alone", "flood"):
                 logs = Path(tmp) / f"{kind}{r}"
                 logs.mkdir()
@@ -624,13 +620,9 @@ def tenant_fairness(settings: Settings, args) -> dict:
                     kept.append(keep_logs(logs, f"tenant_fairness-{kind}{r}"))
             _log(f"  quiet tenant p99: alone {out['alone']} ms, next to the flooder {out['flood']} ms "
                  f"(steal {out['alone_steal_pct']} / {out['flood_steal_pct']} %)")
-            steals = [x for x in (out["alone_steal_pct"], out["flood_steal_pct"]) if x is not None]
-            if steals:
-                out["machine"]["steal_pct"] = max(steals)
             return out
 
-        chosen, aside, quiet = runs_on_a_quiet_machine(one_round, wanted=rounds, most=2 * rounds,
-                                                       steal_pct=QUIET_STEAL_PCT, pause_s=QUIET_PAUSE_S, log=_log)
+        chosen, aside, quiet = quiet_rounds(one_round, rounds)
         jain = _jain(settings, Path(tmp))
     info = chosen[-1]["info"]
     alone_runs, flood_runs = [r["alone"] for r in chosen], [r["flood"] for r in chosen]
@@ -759,6 +751,19 @@ QUIET_PAUSE_S = 15.0
 QUIET_RULE = ("{wanted} with under " + str(QUIET_STEAL_PCT) + " % steal (machine.steal_pct of each; a run with "
               "more is set aside, listed, and made again after " + f"{QUIET_PAUSE_S:.0f}" + " s, {most} at most; "
               "without enough such runs, the ones with the least steal and quiet_machine false)")
+
+
+def quiet_rounds(one_round, rounds: int) -> tuple[list[dict], list[dict], bool]:
+    """:func:`runs_on_a_quiet_machine` over rounds of two halves (``one_round()`` gives each
+    half's ``alone_steal_pct`` and ``flood_steal_pct``): a round's steal is its worse half's."""
+
+    def run() -> dict:
+        out = one_round()
+        steals = [out[f"{half}_steal_pct"] for half in ("alone", "flood") if out[f"{half}_steal_pct"] is not None]
+        return {**out, "machine": {"steal_pct": max(steals)} if steals else {}}
+
+    return runs_on_a_quiet_machine(run, wanted=rounds, most=2 * rounds, steal_pct=QUIET_STEAL_PCT,
+                                   pause_s=QUIET_PAUSE_S, log=_log)
 
 
 def set_aside_for_steal(aside: list, quiet: bool) -> dict:
