@@ -744,7 +744,8 @@ def hop_split(got: list, appended: dict[str, dict[str, int]]) -> dict:
 #: when the hypervisor took less than this share of the CPU during it. The pipeline takes ~155 %
 #: of the machine's 200 % at 1,000 req/s, and end_to_end_latency's p99 was 34-53 ms in runs
 #: under 1 % steal, 57-160 with 3-30 % (BENCHMARKS.md): a stolen run measures the hypervisor.
-#: It is set aside, reported, and made again after a pause, up to twice the runs wanted.
+#: It is set aside, reported, and made again after a pause: up to twice the rounds wanted,
+#: QUIET_MOST_RUNS for end_to_end_latency's three runs.
 QUIET_STEAL_PCT = 2.0
 QUIET_MOST_RUNS = 8  # end_to_end_latency's (three wanted, ~25 s each)
 QUIET_PAUSE_S = 15.0
