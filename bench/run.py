@@ -471,14 +471,12 @@ def _conditions(args, kafka_version: str, own_broker: bool) -> dict:
     import fastavro
 
     from pipeline.serde import fastpath
-    from pipeline.worker.fastlane import lane_available
 
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpus": os.cpu_count(),
             "python": platform.python_version(), "confluent_kafka": confluent_kafka.__version__,
             "librdkafka": confluent_kafka.libversion()[0], "fastavro": fastavro.__version__,
             "kafka": kafka_version, "messages": args.messages, "rounds": args.rounds,
             "prompt_bytes": args.prompt_bytes, "native_codec": fastpath.native_available(),
-            "fast_lane": lane_available(),
             "broker_jvm_options": BENCH_BROKER_JVM_OPTIONS if own_broker else "(a broker this run did not start)",
             "broker_warm_up_s": args.broker_warm_up}
 

@@ -19,6 +19,8 @@ from enum import Enum
 from typing import Any, Mapping
 
 __all__ = [
+    "BANDS",
+    "LOWEST_RANK",
     "Priority",
     "Status",
     "TERMINAL_STATUSES",
@@ -80,6 +82,11 @@ class Priority(_SymbolEnum):
 for _rank, _member in enumerate(Priority):
     _member.rank = _rank
 del _rank, _member
+
+#: The bands by rank: ``BANDS[0]`` is CRITICAL, ``BANDS[-1]`` BACKGROUND.
+BANDS: tuple[Priority, ...] = tuple(Priority)
+#: The lowest band's rank, where work of an unknown band is put.
+LOWEST_RANK = len(BANDS) - 1
 
 
 class Status(_SymbolEnum):

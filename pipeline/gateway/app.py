@@ -51,7 +51,6 @@ from pipeline.config import Settings
 from pipeline.dlq import dead_letter_headers
 from pipeline.errors import DecodeError, EncodeError, LlmqError
 from pipeline.gateway import faust_fixes
-from pipeline.gateway.admitlane import AdmissionLane
 from pipeline.gateway.deliveries import Deliveries, Outputs
 from pipeline.gateway.intake import Acks, BatchIntake
 from pipeline.models import Priority, Response, Status
@@ -73,8 +72,6 @@ _STATUS_LABEL = {s: s.value.lower() for s in Status}
 # Read per request: an enum member from its class, and an enum's ``value`` property, cost a
 # lookup every time (``_value_`` is the member's plain attribute).
 _DISPATCH = Action.DISPATCH
-#: Records handed straight to the Python path after a lane call that admitted none.
-_LANE_BACKOFF = 16
 
 
 class _Batch:
@@ -415,8 +412,6 @@ class Gateway:
         self.cancellations: CancellationView | None = None
         self._dispatch_by_rank = tuple(self.dispatch_topics[p] for p in Priority)
         self._band_names = tuple(p.value for p in Priority)
-        self._lane = AdmissionLane.build(self, now_ms=_clock_now_ms, depth_key_prefix=_DEPTH_KEY_PREFIX)
-        log.info("gateway admission lane: %s", "on" if self._lane is not None else "off")
         self._depth_loaded = False
         # A batch is handled without yielding to the event loop: kept short.
         self.batch_size = g.batch_size
@@ -456,20 +451,7 @@ class Gateway:
         tables = self._tables
         self._begin_batch()
         seen_new = self._period_seen
-        i, n = 0, len(records)
-        lane_from = 0  # the lane is not asked again before this record of the batch
-        while i < n:
-            if self._lane is not None and i >= lane_from:
-                # The ordinary requests from i on, in C; it stops at the first it leaves to us.
-                start, i = i, self._admit_in_lane(records, i, seen_new)
-                if i >= n:
-                    break
-                if i == start:
-                    # It took none (under high load, say, every band moves): the next few go
-                    # straight to the Python path, without the lane's call and checks first.
-                    lane_from = i + _LANE_BACKOFF
-            msg = records[i]
-            i += 1
+        for msg in records:
             tables.partition = msg.partition
             try:
                 self._admit_one(msg, seen_new)
@@ -478,35 +460,6 @@ class Gateway:
                 self._dead_letter(msg, "gateway_error", f"{type(exc).__name__}: {exc}")
         self._forget_old_ids()
         self._end_batch(acks)
-
-    def _admit_in_lane(self, records: list, start: int, seen_new: dict) -> int:
-        cancelled = self.cancellations._ids if self.cancellations is not None else None
-        try:
-            stop, values, keys, owners, admitted, failure = self._lane.admit(records, start, seen_new, cancelled)
-        except Exception:  # noqa: BLE001 (refused before any record: the Python path takes them all)
-            log.exception("the admission lane refused its call; admitting without it")
-            self._lane = None
-            return start
-        outputs = self._outputs
-        for rank, band_values in enumerate(values):
-            if band_values:
-                band_owners = owners[rank]
-                outputs.produce_many(self._dispatch_by_rank[rank], band_values, keys[rank], bulk=rank >= self._bulk_from,
-                                     on_error=lambda j, exc, owners=band_owners: self._lane_output_failed(owners[j], exc))
-        for rank, count in enumerate(admitted):
-            if count:
-                self.metrics.outcome(self._band_names[rank], "admitted", count)
-        if failure is not None:  # a bug, or no memory left: the Python path takes over
-            log.error("the admission lane failed at %s[%d]@%d; admitting without it from there: %r",
-                      records[stop].topic, records[stop].partition, records[stop].offset, failure)
-            self._lane = None
-        return stop
-
-    def _lane_output_failed(self, msg, exc: Exception) -> None:
-        """A dispatch the producer refused (not for want of room): as when the Python path's
-        output fails, the request is dead-lettered and the batch goes on."""
-        log.error("admitting %s[%d]@%d failed: %r", msg.topic, msg.partition, msg.offset, exc)
-        self._dead_letter(msg, "gateway_error", f"{type(exc).__name__}: {exc}")
 
     def _outputs_failed(self) -> LlmqError:
         """The broker refused an output after librdkafka's retries: stop, so that a restart
@@ -822,11 +775,6 @@ def _ack_all(acks: list[Acks]) -> None:
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-def _clock_now_ms() -> int:
-    """The admission lane's clock: this module's, looked up at each call (tests replace it)."""
-    return _now_ms()
 
 
 def _credentials(settings: Settings):

@@ -19,10 +19,7 @@ from confluent_kafka import Producer
 
 log = logging.getLogger(__name__)
 
-try:  # the worker lane's C loop of produce() calls, when it was built
-    from pipeline.worker._lane import produce_all as _produce_all
-except ImportError:  # pragma: no cover - no compiler
-    _produce_all = None
+_produce_all = None
 
 
 class Deliveries:

@@ -63,7 +63,6 @@ class BoundedLabels:
         self._counts: _Counts[str] = _Counts()
         self._top: frozenset[str] = frozenset()
         self._pending: list[str] = []
-        self._counted = 0  # label_n's counts since the last ranking
 
     def label(self, value: str) -> str:
         if value in self.allow:
@@ -82,38 +81,11 @@ class BoundedLabels:
             return value
         return "other"
 
-    def label_n(self, value: str, count: int) -> str:
-        """:meth:`label` for ``count`` occurrences of ``value`` at once (the worker's fast
-        lane sums a batch per tenant and model).
-
-        The counts are the same as ``count`` calls of :meth:`label`; the label can differ in
-        one case: when the top-N is full and the ranking that lets ``value`` in falls inside
-        these ``count``, one by one the occurrences before it are "other", here all get the
-        label ranked after it (a newcomer gets its own label up to ``RANK_EVERY`` values
-        earlier)."""
-        if value in self.allow:
-            return value
-        if self.top_n <= 0:
-            return "other"
-        counts = self._counts
-        counts[value] += count  # counted at once, not queued like label()'s
-        self._counted += count
-        top = self._top
-        if len(self._pending) + self._counted >= self.RANK_EVERY:
-            top = self._rank()
-        if value in top:
-            return value
-        if len(top) < self.top_n:
-            self._top = top | {value}
-            return value
-        return "other"
-
     def _rank(self) -> frozenset[str]:
         counts = self._counts
         if self._pending:
             counts.update(self._pending)
             self._pending.clear()
-        self._counted = 0
         top = self._top = frozenset(t for t, _ in counts.most_common(self.top_n))
         if len(counts) > 100 * self.top_n:  # bounded memory under very many tenants
             self._counts = _Counts(dict(counts.most_common(10 * self.top_n)))
@@ -308,46 +280,6 @@ class WorkerMetrics:
             prompt.value += c.prompt_tokens
             completion.value += c.completion_tokens
             duration.labels(priority, model_label(c.model)).observe(seconds)
-
-    def lane_counts(self, bands: list, tenants: dict, models: dict, band_names: tuple[str, ...]) -> None:
-        """What :meth:`waited_many` and :meth:`completed_many` (backend time 0) record for the
-        requests the worker's fast lane answered, from the sums it returns (see _lane.c):
-        ``bands[i]`` None or [count, prompt tokens, completion tokens, wait sum, wait bucket
-        counts...] for the band named ``band_names[i]``; ``tenants`` {tenant: [count, wait sum,
-        wait bucket counts...]}; ``models`` {model: [count per band]}."""
-        series = self._band_series
-        for index, agg in enumerate(bands):
-            if agg is None:
-                continue
-            priority = band_names[index]
-            band = series.get(priority)
-            if band is None:
-                band = series[priority] = self._series_of(priority)
-            done_child, wait, prompt, completion = band
-            done_child.value += agg[0]
-            prompt.value += agg[1]
-            completion.value += agg[2]
-            wait.sum += agg[3]
-            counts = wait.counts
-            for bucket, n in enumerate(agg[4:]):
-                if n:
-                    counts[bucket] += n
-        tenant_label, tenant_children, tenant_wait = self.tenants.label_n, self.tenant_wait.children, self.tenant_wait.labels
-        for tenant, agg in tenants.items():
-            label = (tenant_label(tenant, agg[0]),)
-            child = tenant_children.get(label) or tenant_wait(*label)
-            child.sum += agg[1]
-            counts = child.counts
-            for bucket, n in enumerate(agg[2:]):
-                if n:
-                    counts[bucket] += n
-        zero = bisect_left(self.duration.bucket_bounds, 0.0)
-        model_label, duration = self.models.label_n, self.duration.labels
-        for model, per_band in models.items():
-            label = model_label(model, sum(per_band))
-            for index, n in enumerate(per_band):
-                if n:
-                    duration(band_names[index], label).counts[zero] += n
 
     def _series_of(self, priority: str) -> tuple:
         # A band's children never change once created: looked up once, not per message.

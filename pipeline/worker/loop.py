@@ -10,11 +10,6 @@ Taken requests wait in per-band queues; each turn the scheduler picks them, a ch
 time (never more than the free backend slots), and the chunk goes through decode, checks,
 the backend and the answers stage by stage, its answers leaving in message order.
 
-With the simulated model without latency and the band queues empty, a consumed batch goes
-through the fast lane instead (:mod:`pipeline.worker.fastlane`, C): ordinary requests are
-answered there in one call, and each one it leaves is taken through the path above in its
-place, so outcomes and order are the same.
-
 Delivery guarantee (at-least-once): a request's offset becomes committable only when the
 broker has acknowledged its response (or its dead letter), and a partition commits only
 up to its contiguous finished prefix. A crash therefore re-runs, never loses, requests;
@@ -40,7 +35,7 @@ from pipeline.cancellations import CancellationView
 from pipeline.config import Settings
 from pipeline.dlq import H_TRUNCATED, MAX_DEAD_LETTER_BYTES, dead_letter_headers
 from pipeline.errors import BackendError, ConfigError, DecodeError, EncodeError, KafkaOperationError
-from pipeline.models import Priority, Request, Response, Status
+from pipeline.models import BANDS, LOWEST_RANK, Priority, Request, Response, Status
 from pipeline.observability.metrics import TenantLabels, WorkerMetrics, reason_code
 from pipeline.policy.bands import BandScheduler
 from pipeline.policy.validation import validate_request
@@ -48,7 +43,6 @@ from pipeline.serde import RESPONSE_FIELDS, Codec
 from pipeline.serde.factory import codec_for
 from pipeline.worker.backends.base import Backend, Completion
 from pipeline.worker.backlog import PartitionQueues
-from pipeline.worker.fastlane import BAND_NAMES, FastLane
 from pipeline.worker.membership import apply_group_session
 from pipeline.worker.offsets import OffsetTracker, decode_done
 
@@ -167,7 +161,6 @@ class Worker:
         self._restart = False
         # A transactional call may block the poll loop this long: well inside max.poll.interval.ms,
         # so a slow commit (broker restarting) never evicts the worker from its group.
-        self._lane: FastLane | None = None
         self._txn_call_budget_s = min(30.0, max(1.0, self.cfg.max_poll_interval_ms / 1000 / 3))
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -242,8 +235,6 @@ class Worker:
         self.consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
                                 on_lost=self._on_lost)
         self.cancellations = CancellationView(self.settings)
-        self._lane = FastLane.build(codec=self.codec, wire=self._wire, backend=self.backend, worker_id=self.worker_id,
-                                    seen=self._seen, cancelled=self.cancellations._ids)
         log.info("worker %s consuming %s as group %s (backend %s, max in flight %d)",
                  self.worker_id, ", ".join(self.topics), self.group_id, self.backend.name, cfg.max_inflight)
         up = self.metrics.up.labels(self.metrics.pool)
@@ -298,11 +289,7 @@ class Worker:
                 self._assignment_changed = False
                 self._reapply_pauses()
             if msgs:
-                if self._lane is not None and now >= hold_until and not self._done_before and \
-                        not any(q.size for q in self._backlog):
-                    self._run_lane(msgs)
-                else:
-                    take(msgs)
+                take(msgs)
             for request_id in self.cancellations.poll():
                 self._cancel_in_flight(request_id)
             dispatched = dispatch() if now >= hold_until else 0
@@ -330,96 +317,6 @@ class Worker:
             elif self._tasks:
                 await asyncio.sleep(0)
 
-    def _run_lane(self, msgs: list) -> None:
-        """Handle one consume's worth through the fast lane (:mod:`pipeline.worker.fastlane`),
-        each message it leaves through the Python path at once, in consumption order.
-
-        Only called with the band queues empty, and only for a batch of one topic: the
-        scheduler orders several bands (strict priority bent by the minimum shares), so such
-        a batch goes to the band queues as usual.
-        """
-        rank, lane = self._rank, self._lane
-        if lane.ranks(msgs, rank, 4) is not None:
-            self._take_many(msgs)
-            return
-        stats, limit = self.stats, self.cfg.max_inflight
-        i, n = 0, len(msgs)
-        while i < n:
-            now = _now_ms()
-            stop, values, keys, ids, runs, bands, tenants, models = lane.run(msgs, i, now, now)
-            if stop > i:
-                count = stop - i
-                if not stats.consumed:
-                    stats.first_consumed_at = time.perf_counter()
-                stats.consumed += count
-                stats.completed += count
-                started, record = self.tracker.started_many, self._scheduler.record_many
-                for topic, partition, offsets in runs:
-                    started((topic, partition), offsets)
-                    record(rank.get(topic, 4), len(offsets))
-                order = self._seen_order
-                order.extend(ids)
-                if len(order) > self._seen_max:
-                    seen = self._seen
-                    while len(order) > self._seen_max:
-                        seen.discard(order.popleft())
-                self.metrics.lane_counts(bands, tenants, models, BAND_NAMES)
-                if self.exactly_once:
-                    self._ready_answers(runs, values, keys)
-                else:
-                    self._produce_answers(values, keys, self._lane_delivered(runs, count))
-            if stop >= n:
-                return
-            if len(self._tasks) >= limit:  # no slot for a backend call: the rest waits its turn
-                self._take_many(msgs[stop:])
-                return
-            msg = msgs[stop]
-            if msg.error() is None:  # dispatched, as far as the band shares go
-                self._scheduler.record(rank.get(msg.topic(), 4))
-            self._handle(msg)
-            i = stop + 1
-
-    def _lane_delivered(self, runs: list, count: int):
-        """The delivery callback of the ``count`` answers of one lane call (a C countdown):
-        their offsets finish when the last of them is acknowledged; one not acknowledged is
-        published again with the same callback."""
-        finished, stats = self.tracker.finished_many, self.stats
-
-        def done() -> None:
-            for topic, partition, offsets in runs:
-                finished((topic, partition), offsets)
-            stats.delivered += count
-            stats.last_delivered_at = time.perf_counter()
-
-        return self._lane.Countdown(count, done, self._lane_not_delivered)
-
-    def _lane_not_delivered(self, err, msg, on_delivery) -> None:
-        self._not_delivered(err, msg, on_delivery, "a fast-lane answer")
-
-    def _ready_answers(self, runs: list, values: list, keys: list) -> None:
-        """Exactly-once: the lane's answers wait for the transaction that commits their offsets."""
-        ready, finished, topic = self._ready, self.tracker.finished_many, self.responses_topic
-        k = 0
-        for source, partition, offsets in runs:
-            tp = (source, partition)
-            part = ready.get(tp)
-            if part is None:
-                part = ready[tp] = {}
-            for offset in offsets:
-                part[offset] = (topic, values[k], keys[k], None)
-                k += 1
-            finished(tp, offsets)
-
-    def _produce_answers(self, values: list, keys: list, on_delivery) -> None:
-        produce, topic, produce_all = self.producer.produce, self.responses_topic, self._lane.produce_all
-        while values:
-            j = produce_all(produce, topic, values, keys, on_delivery, _PRODUCE_RETRY)
-            if j == len(values):
-                return
-            # queue full, or too large: that one the careful way, then the rest as before
-            self._produce(topic, values[j], keys[j], None, on_delivery)
-            values, keys = values[j + 1:], keys[j + 1:]
-
     def _take_many(self, msgs: list) -> None:
         """:meth:`_take` each of ``msgs`` (one consume's worth), the common case inline."""
         started, rank, backlog, cap, deep = (self.tracker.started, self._rank, self._backlog, self._backlog_cap,
@@ -431,7 +328,7 @@ class Worker:
             topic = msg.topic()
             tp = (topic, msg.partition())
             started(tp, msg.offset())
-            if backlog[rank.get(topic, 4)].append(tp, msg) >= cap:
+            if backlog[rank.get(topic, LOWEST_RANK)].append(tp, msg) >= cap:
                 deep.add(tp)
 
     def _take(self, msg) -> None:
@@ -453,12 +350,12 @@ class Worker:
                 # Answered by the partition's previous owner after its last commit position
                 # (its commit said so): finished already, not a second time.
                 done.discard(offset)
-                if not done:  # all skipped: the fast lane may take this partition again
+                if not done:
                     del self._done_before[tp]
                 self.stats.skipped_done += 1
                 self.tracker.finished(tp, offset)
                 return
-        if self._backlog[self._rank.get(topic, 4)].append(tp, msg) >= self._backlog_cap:
+        if self._backlog[self._rank.get(topic, LOWEST_RANK)].append(tp, msg) >= self._backlog_cap:
             self._deep.add(tp)
 
     def _dispatch(self) -> int:
@@ -547,7 +444,7 @@ class Worker:
         self.stats.preempted += 1
         self._task_of.pop(request_id, None)
         self._seen.discard(request_id)
-        self.metrics.preemptions.labels(BAND_NAMES[rank]).inc()
+        self.metrics.preemptions.labels(BANDS[rank].value).inc()
         return True
 
     def _crowding_call(self, band: int):
@@ -602,7 +499,7 @@ class Worker:
         """
         cap, backlog, rank = self._backlog_cap, self._backlog, self._rank
         for tp in self._deep:
-            if backlog[rank.get(tp[0], 4)].depth(tp) >= cap:
+            if backlog[rank.get(tp[0], LOWEST_RANK)].depth(tp) >= cap:
                 self._set_paused(tp, True)
         self._deep.clear()
 
@@ -611,7 +508,7 @@ class Worker:
         if not self._paused_parts or self._paused:
             return
         half, backlog, rank = self._backlog_cap // 2, self._backlog, self._rank
-        for tp in [tp for tp in self._paused_parts if backlog[rank.get(tp[0], 4)].depth(tp) <= half]:
+        for tp in [tp for tp in self._paused_parts if backlog[rank.get(tp[0], LOWEST_RANK)].depth(tp) <= half]:
             self._set_paused(tp, False)
 
     def _set_paused(self, tp: tuple[str, int], paused: bool) -> None:
@@ -667,7 +564,7 @@ class Worker:
         """Take one message and process it at once (no band scheduling): tests and tools."""
         self._take(msg)
         if msg.error() is None:
-            self._backlog[self._rank.get(msg.topic(), 4)].pop_last((msg.topic(), msg.partition()))
+            self._backlog[self._rank.get(msg.topic(), LOWEST_RANK)].pop_last((msg.topic(), msg.partition()))
             self._process(msg)
 
     def _process(self, msg) -> None:
@@ -747,7 +644,7 @@ class Worker:
                     self._tasks[key] = task = asyncio.get_running_loop().create_task(
                         self._call_backend(tp, offset, request, started))
                     self._task_of[request.request_id] = key
-                    rank = self._rank.get(tp[0], 4)
+                    rank = self._rank.get(tp[0], LOWEST_RANK)
                     self._starts += 1
                     if rank in self._preemptible and id(msg) not in self._owed and \
                             self._preempt_counts.get(key, 0) < self.cfg.max_preemptions:
