@@ -34,13 +34,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from pipeline.config import DEFAULT_JVM_OPTIONS
 from pipeline.errors import BrokerError
-
-#: The JIT's optimising tier (C2) spends most of a core for the first minute or two of a
-#: broker's life. A development broker is short-lived and shares two cores with everything it
-#: serves: with the quick tier only, `make demo`'s CRITICAL wait p50 was 133 ms instead of
-#: 424-498 ms, and a 50,000-message passthrough was faster too (BENCHMARKS.md).
-DEFAULT_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from pipeline.broker import DEFAULT_JVM_OPTIONS
 from pipeline.errors import ConfigError
 from pipeline.models import Priority
 from pipeline.serde.limits import SerdeLimits
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+
+#: The local broker's JVM options. The JIT's optimising tier (C2) spends most of a core for the
+#: first minute or two of a broker's life; a development broker is short-lived and shares two
+#: cores with everything it serves, so it keeps to the quick tier (``make demo``'s CRITICAL
+#: waits were several times longer without it).
+DEFAULT_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
 
 #: Worker pools (the seed's real-time / async / background queues): which bands each consumes.
 DEFAULT_POOLS: dict[str, tuple[str, ...]] = {
@@ -535,7 +540,7 @@ class BrokerSettings:
     #: Where the Kafka jars are cached; empty = $XDG_CACHE_HOME/llmq or ~/.cache/llmq.
     cache_dir: str = ""
     #: More JVM options for the broker, space-separated (as KAFKA_OPTS of Kafka's scripts);
-    #: the default keeps the JIT to its quick tier (why: pipeline.broker.DEFAULT_JVM_OPTIONS).
+    #: the default keeps the JIT to its quick tier (why: DEFAULT_JVM_OPTIONS above).
     jvm_options: str = DEFAULT_JVM_OPTIONS
 
 
