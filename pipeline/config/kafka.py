@@ -1,0 +1,122 @@
+"""[kafka]: how every llmq process reaches the brokers, and the client properties it renders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import ConfigError
+
+DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+
+# Properties llmq sets itself for correctness; users may still override them on purpose.
+_PRODUCER_DEFAULTS = {
+    "enable.idempotence": True,
+    "acks": "all",
+    "linger.ms": 5,
+    "compression.type": "lz4",
+    # Java-compatible key hashing, so any Kafka client keyed by tenant lands on the same partition.
+    "partitioner": "murmur2_random",
+}
+_CONSUMER_DEFAULTS = {
+    "enable.auto.commit": False,
+    "enable.auto.offset.store": False,
+    "auto.offset.reset": "earliest",
+    "partition.assignment.strategy": "cooperative-sticky",
+    "fetch.wait.max.ms": 50,
+}
+
+
+_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+_SASL_MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN")
+
+
+@dataclass
+class KafkaSettings:
+    bootstrap: str = DEFAULT_BOOTSTRAP
+    client_id: str = "llmq"
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str = "SCRAM-SHA-512"
+    sasl_username: str = ""
+    #: Prefer sasl_password_file; the password itself is never logged or shown in repr().
+    sasl_password: str = field(default="", repr=False)
+    sasl_password_file: str = ""
+    #: CA bundle (PEM) that signed the brokers' certificates; hostname verification stays on.
+    ssl_ca_location: str = ""
+    #: librdkafka properties passed through untouched (``[kafka.properties]`` in the file).
+    properties: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def password(self) -> str:
+        if self.sasl_password_file:
+            try:
+                return Path(self.sasl_password_file).expanduser().read_text().strip()
+            except OSError as exc:
+                raise ConfigError("kafka.sasl_password_file", f"cannot read it: {exc.strerror}") from None
+        return self.sasl_password
+
+    def common_config(self) -> dict[str, Any]:
+        conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, "client.id": self.client_id}
+        if self.security_protocol != "PLAINTEXT":
+            conf["security.protocol"] = self.security_protocol
+        if self.security_protocol.startswith("SASL_"):
+            conf["sasl.mechanism"] = self.sasl_mechanism
+            conf["sasl.username"] = self.sasl_username
+            conf["sasl.password"] = self.password()
+        if self.security_protocol in ("SSL", "SASL_SSL") and self.ssl_ca_location:
+            conf["ssl.ca.location"] = self.ssl_ca_location
+        return conf
+
+    def producer_config(self, **overrides: Any) -> dict[str, Any]:
+        return {**self.common_config(), **_PRODUCER_DEFAULTS, **overrides, **self.properties}
+
+    def consumer_config(self, group_id: str, **overrides: Any) -> dict[str, Any]:
+        """An override of None removes the property (llmq's default included)."""
+        conf = {
+            **self.common_config(),
+            **_CONSUMER_DEFAULTS,
+            "group.id": group_id,
+            **overrides,
+            **self.properties,
+        }
+        return {k: v for k, v in conf.items() if v is not None}
+
+    def aiokafka_config(self) -> dict[str, Any]:
+        """The same connection settings for aiokafka (Faust's kafka:// driver)."""
+        conf: dict[str, Any] = {"bootstrap_servers": self.bootstrap, "client_id": self.client_id,
+                                "security_protocol": self.security_protocol}
+        if self.security_protocol.startswith("SASL_"):
+            conf.update(sasl_mechanism=self.sasl_mechanism, sasl_plain_username=self.sasl_username,
+                        sasl_plain_password=self.password())
+        if self.security_protocol in ("SSL", "SASL_SSL"):
+            import ssl
+
+            # Hostname verification and certificate checks stay on (the ssl module's defaults).
+            conf["ssl_context"] = ssl.create_default_context(cafile=self.ssl_ca_location or None)
+        return conf
+
+    def admin_config(self) -> dict[str, Any]:
+        # Producer/consumer-only properties make the admin client warn; keep only shared ones.
+        shared = {k: v for k, v in self.properties.items()
+                  if k.startswith(("security.", "sasl.", "ssl.", "socket.", "client."))}
+        return {**self.common_config(), **shared}
+
+    def validate(self) -> None:
+        if not self.bootstrap.strip():
+            raise ConfigError("kafka.bootstrap", "must not be empty")
+        k = self
+        if k.security_protocol not in _SECURITY_PROTOCOLS:
+            raise ConfigError("kafka.security_protocol", f"must be one of {', '.join(_SECURITY_PROTOCOLS)}")
+        if k.security_protocol.startswith("SASL_"):
+            if k.sasl_mechanism not in _SASL_MECHANISMS:
+                raise ConfigError("kafka.sasl_mechanism", f"must be one of {', '.join(_SASL_MECHANISMS)}")
+            if not k.sasl_username:
+                raise ConfigError("kafka.sasl_username", f"required with security_protocol {k.security_protocol}")
+            if not (k.sasl_password or k.sasl_password_file):
+                raise ConfigError("kafka.sasl_password_file",
+                                  "a password (kafka.sasl_password_file, or LLMQ_KAFKA__SASL_PASSWORD) is required")
+            if k.sasl_mechanism == "PLAIN" and k.security_protocol == "SASL_PLAINTEXT":
+                raise ConfigError("kafka.sasl_mechanism", "PLAIN over SASL_PLAINTEXT sends the password in clear "
+                                                          "text; use SASL_SSL")
+        if k.ssl_ca_location and not Path(k.ssl_ca_location).expanduser().is_file():
+            raise ConfigError("kafka.ssl_ca_location", f"no such file {k.ssl_ca_location!r}")

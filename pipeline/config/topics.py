@@ -1,0 +1,77 @@
+"""[topics]: every topic name and partition count, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.config.fields import positive
+from pipeline.errors import ConfigError
+from pipeline.models import Priority
+
+#: Worker pools (the seed's real-time / async / background queues): which bands each consumes.
+DEFAULT_POOLS: dict[str, tuple[str, ...]] = {
+    "realtime": ("CRITICAL", "HIGH"),
+    "async": ("NORMAL", "LOW"),
+    "background": ("BACKGROUND",),
+    "all": ("CRITICAL", "HIGH", "NORMAL", "LOW", "BACKGROUND"),
+}
+
+@dataclass
+class TopicSettings:
+    prefix: str = "llm"
+    request_partitions: int = 6
+    response_partitions: int = 6
+    dlq_partitions: int = 1
+    replication_factor: int = 1
+    request_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(7 * 24 * 3600 * 1000)})
+    response_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(7 * 24 * 3600 * 1000)})
+    cancellation_partitions: int = 3
+    #: Admitted requests, per band, keyed by tenant: more partitions spread tenants wider, so
+    #: a flooding tenant shares its partition with fewer quiet ones (stochastic fair queuing).
+    dispatch_partitions: int = 12
+    #: Compacted (one record per request id) and deleted after a day: cancelling is for live work.
+    cancellation_config: dict[str, str] = field(default_factory=lambda: {
+        "cleanup.policy": "compact,delete", "retention.ms": str(24 * 3600 * 1000)})
+    #: max.message.bytes: a dead letter is the original message plus llmq's headers.
+    dlq_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(30 * 24 * 3600 * 1000),
+                                                                "max.message.bytes": str(8 * 1024 * 1024 + 65536)})
+
+    def request_topic(self, priority: Priority) -> str:
+        return f"{self.prefix}.requests.{priority.value.lower()}"
+
+    @property
+    def request_topics(self) -> list[str]:
+        return [self.request_topic(p) for p in Priority]
+
+    def pool_topics(self, pool: str, source: str = "requests") -> list[str]:
+        """The topics a worker of ``pool`` consumes: the gateway's dispatch topics, or the
+        request topics themselves in the gateway-less set-up."""
+        topic = self.dispatch_topic if source == "dispatch" else self.request_topic
+        return [topic(Priority(band)) for band in DEFAULT_POOLS[pool]]
+
+    def dispatch_topic(self, priority: Priority) -> str:
+        return f"{self.prefix}.dispatch.{priority.value.lower()}"
+
+    @property
+    def dispatch_topics(self) -> list[str]:
+        return [self.dispatch_topic(p) for p in Priority]
+
+    @property
+    def responses(self) -> str:
+        return f"{self.prefix}.responses"
+
+    @property
+    def dlq(self) -> str:
+        return f"{self.prefix}.dlq"
+
+    @property
+    def cancellations(self) -> str:
+        return f"{self.prefix}.cancellations"
+
+    def validate(self) -> None:
+        for key in ("request_partitions", "response_partitions", "dlq_partitions", "cancellation_partitions",
+                    "replication_factor"):
+            positive(f"topics.{key}", getattr(self, key))
+        if not self.prefix or any(c.isspace() for c in self.prefix):
+            raise ConfigError("topics.prefix", "must be a non-empty name without spaces")
+        positive("topics.dispatch_partitions", self.dispatch_partitions)

@@ -1,0 +1,166 @@
+"""[worker]: the inference workers (``llmq worker``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.config.fields import non_negative, positive
+from pipeline.config.topics import DEFAULT_POOLS
+from pipeline.errors import ConfigError
+from pipeline.models import Priority
+
+
+@dataclass
+class WorkerSettings:
+    group_id: str = "llmq-workers"
+    #: Pool: realtime, async, background or all; picks the bands consumed. A pool other
+    #: than "all" uses group "llmq-pool-<pool>" unless group_id is set explicitly.
+    pool: str = "all"
+    #: Prometheus metrics on metrics_addr:<port>/metrics; 0 = off.
+    metrics_port: int = 9101
+    metrics_addr: str = "127.0.0.1"
+    #: Worker identity written into responses; empty = "<hostname>-<pid>".
+    worker_id: str = ""
+    #: Requests in flight to the backend at once, per worker process.
+    max_inflight: int = 64
+    #: Messages taken from the consumer per poll.
+    batch_size: int = 500
+    #: How often finished offsets are committed (they are also committed on revoke/shutdown).
+    commit_interval_ms: int = 500
+    #: The longest an idle worker waits before it looks again (commits, cancellations, the
+    #: backlog). With no backend call in flight it waits in the consumer's poll, which returns
+    #: as soon as a message arrives; with calls in flight it sleeps this long between polls.
+    idle_poll_ms: int = 5
+    #: How long responses wait to be sent together (linger.ms of the worker's producer; a
+    #: linger.ms in [kafka.properties] still wins). 1 ms takes ~4 ms off a response's way, at
+    #: the cost of a produce request per response or two when they are sparse.
+    producer_linger_ms: int = 5
+    #: On SIGTERM, how long in-flight requests may still finish before they are handed back.
+    shutdown_grace_s: float = 10.0
+    #: "simulated" or "openai" (any OpenAI-compatible chat-completions server).
+    backend: str = "simulated"
+    sim_latency_ms: float = 0.0
+    sim_ms_per_token: float = 0.0
+    openai_base_url: str = "http://127.0.0.1:8000/v1"
+    openai_api_key: str = field(default="", repr=False)
+    openai_api_key_file: str = ""
+    #: Per model call (never past the request's own deadline), and tries before FAILED.
+    backend_timeout_s: float = 60.0
+    backend_max_attempts: int = 3
+    #: librdkafka max.poll.interval.ms for workers; the loop never blocks on the backend.
+    max_poll_interval_ms: int = 300_000
+    #: How long a silent (crashed, frozen) worker keeps its partitions before the group moves them.
+    #: Classic protocol: the consumer's session.timeout.ms. Consumer protocol: the group's
+    #: consumer.session.timeout.ms, set by each worker at start (the broker bounds it with
+    #: group.consumer.min/max.session.timeout.ms; if it refuses, its default applies, logged).
+    session_timeout_ms: int = 45_000
+    #: Consumer group protocol. "consumer" (KIP-848, brokers >= Kafka 4.0): the broker assigns
+    #: partitions, incrementally, with group_remote_assignor. "classic" (older brokers):
+    #: cooperative-sticky, which balances only the number of partitions per worker, so a worker
+    #: that joins a running pool can be given whole bands while another keeps the busy one.
+    group_protocol: str = "consumer"
+    #: Broker-side assignor under the consumer protocol: "range" gives every worker of a pool a
+    #: share of every band's partitions; "uniform" (the broker's default) balances only counts.
+    group_remote_assignor: str = "range"
+    #: Static membership (group.instance.id = the worker id): a worker restarted within the
+    #: session timeout gets its partitions back and nobody else's move (rolling restarts); one
+    #: that stops for good keeps its partitions until the session times out. Needs a worker_id
+    #: that survives restarts (a pod name), not the default <hostname>-<pid>.
+    static_membership: bool = False
+    #: "at-least-once" (commit after the broker acknowledged each response) or "exactly-once"
+    #: (responses and offsets in one transaction per commit interval; read responses with
+    #: isolation.level=read_committed).
+    delivery: str = "at-least-once"
+    transaction_timeout_ms: int = 60_000
+    #: Minimum share of a worker's dispatches each lower band keeps while higher bands are busy
+    #: (anti-starvation); the rest goes strictly by priority.
+    band_min_share: dict[str, float] = field(default_factory=lambda: {
+        "HIGH": 0.10, "NORMAL": 0.05, "LOW": 0.05, "BACKGROUND": 0.05})
+    #: Preemption: a request waiting in a higher band while every backend slot is busy may
+    #: cancel a running call of one of these bands; the cancelled request goes back to the
+    #: head of its queue and runs again later (nothing is answered or committed for it
+    #: meanwhile). The most recently started call of the lowest band goes first, and only
+    #: when the band scheduler would serve the waiting band next (minimum shares hold).
+    #: [] = never preempt. The partial call is wasted work: llmq_preemptions_total counts it.
+    preempt_bands: list[str] = field(default_factory=lambda: ["LOW", "BACKGROUND"])
+    #: Times one request may be preempted; after that its call runs to the end (bounds the waste).
+    max_preemptions: int = 2
+    #: Fairness between tenants inside a band: while every slot is busy, a request whose tenant
+    #: (the message key: the gateway and the llmq client key by tenant) runs no call in its band
+    #: takes the slot of the most recently started call of a tenant running two or more in that
+    #: band, which goes back to its queue behind it (max_preemptions bounds it too). Without it a
+    #: flooding tenant holding every slot makes a quiet one wait for one of its calls to end.
+    fair_preemption: bool = True
+    #: Recent request ids a worker remembers, to answer a re-submitted id only once (0 = off).
+    dedupe_window: int = 100_000
+    #: Tenants that get their own metric label: these, plus the N busiest; the rest are "other".
+    metrics_tenants: list[str] = field(default_factory=list)
+    metrics_tenant_top_n: int = 10
+    #: "requests": consume the request topics directly (gateway-less, small set-ups);
+    #: "dispatch": consume what the gateway admitted (llm.dispatch.<band>).
+    source: str = "requests"
+
+
+    def effective_group_id(self) -> str:
+        if self.pool != "all" and self.group_id == WorkerSettings.group_id:
+            return f"llmq-pool-{self.pool}"
+        return self.group_id
+
+    def membership_config(self, worker_id: str) -> dict[str, Any]:
+        """The consumer properties of the group protocol and membership; None removes a
+        property, as librdkafka refuses the classic protocol's under the consumer protocol."""
+        if self.group_protocol == "classic":
+            conf: dict[str, Any] = {"session.timeout.ms": self.session_timeout_ms}
+        else:
+            conf = {"group.protocol": "consumer", "group.remote.assignor": self.group_remote_assignor,
+                    "partition.assignment.strategy": None}
+        if self.static_membership:
+            conf["group.instance.id"] = worker_id
+        return conf
+
+    def validate(self) -> None:
+        for key in ("max_inflight", "batch_size", "commit_interval_ms", "idle_poll_ms", "max_poll_interval_ms",
+                    "session_timeout_ms"):
+            positive(f"worker.{key}", getattr(self, key))
+        for key in ("shutdown_grace_s", "sim_latency_ms", "sim_ms_per_token", "metrics_tenant_top_n", "dedupe_window"):
+            non_negative(f"worker.{key}", getattr(self, key))
+        non_negative("worker.producer_linger_ms", self.producer_linger_ms)
+        shares = {}
+        for band, share in self.band_min_share.items():
+            if band not in Priority.__members__:
+                raise ConfigError(f"worker.band_min_share.{band}", f"unknown band (known: {', '.join(Priority.__members__)})")
+            try:
+                shares[band] = float(share)
+            except (TypeError, ValueError):
+                raise ConfigError(f"worker.band_min_share.{band}", f"must be a number, got {share!r}") from None
+            if not 0 <= shares[band] < 1:
+                raise ConfigError(f"worker.band_min_share.{band}", f"must be in [0, 1), got {share!r}")
+        if sum(shares.values()) >= 1:
+            raise ConfigError("worker.band_min_share", "the minimum shares must add up to less than 1")
+        self.band_min_share = shares
+        for band in self.preempt_bands:
+            if band not in Priority.__members__:
+                raise ConfigError("worker.preempt_bands", f"unknown band {band!r} (known: {', '.join(Priority.__members__)})")
+        if Priority.CRITICAL.value in self.preempt_bands:
+            raise ConfigError("worker.preempt_bands", "CRITICAL has no higher band to give way to")
+        non_negative("worker.max_preemptions", self.max_preemptions)
+        if self.group_protocol not in ("consumer", "classic"):
+            raise ConfigError("worker.group_protocol", "must be 'consumer' (KIP-848, Kafka >= 4.0) or 'classic'")
+        if not self.group_remote_assignor:
+            raise ConfigError("worker.group_remote_assignor", "must name a broker-side assignor, e.g. 'range'")
+        if self.delivery not in ("at-least-once", "exactly-once"):
+            raise ConfigError("worker.delivery", "must be 'at-least-once' or 'exactly-once'")
+        positive("worker.transaction_timeout_ms", self.transaction_timeout_ms)
+        if self.pool not in DEFAULT_POOLS:
+            raise ConfigError("worker.pool", f"unknown pool {self.pool!r} (known: {', '.join(DEFAULT_POOLS)})")
+        if self.backend not in ("simulated", "openai"):
+            raise ConfigError("worker.backend", f"unknown backend {self.backend!r} (known: simulated, openai)")
+        if self.backend == "openai" and not self.openai_base_url.startswith(("http://", "https://")):
+            raise ConfigError("worker.openai_base_url", "must be an http:// or https:// URL")
+        positive("worker.backend_timeout_s", self.backend_timeout_s)
+        positive("worker.backend_max_attempts", self.backend_max_attempts)
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError("worker.metrics_port", f"must be a TCP port or 0 (off), got {self.metrics_port}")
+        if self.source not in ("requests", "dispatch"):
+            raise ConfigError("worker.source", "must be 'requests' (gateway-less) or 'dispatch' (behind the gateway)")
