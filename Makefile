@@ -17,7 +17,7 @@ setup: $(VENV)/.installed
 	@$(LLMQ) broker fetch
 	@bash deploy/tools/fetch-prometheus.sh > $(VENV)/.prometheus-bin
 
-$(VENV)/.installed: pyproject.toml setup.py pipeline/serde/_native.c pipeline/serde/_avro.h
+$(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 __all__ = ["SerdeLimits"]
 
+#: The string field of each record (by short name) with a cap of its own, and that cap.
+_OWN_CAPS = {"LLMRequest": ("prompt", "max_prompt_bytes"), "LLMResponse": ("output", "max_output_bytes")}
+
 
 @dataclass(frozen=True)
 class SerdeLimits:
@@ -13,13 +16,15 @@ class SerdeLimits:
 
     ``max_record_bytes`` is checked on the raw message before any decoding; together
     with the schema store's rule that every array/map item consumes at least one byte,
-    it bounds the work one message can cause. The other caps are checked on the
-    decoded (and, symmetrically, on the to-be-encoded) values, in UTF-8 bytes:
+    it bounds the work one message can cause. The other caps are checked on the encoded
+    body (lengths in UTF-8 bytes, entries as encoded) before it is decoded, and on every
+    body the codec encodes:
 
     * ``max_prompt_bytes``: ``LLMRequest.prompt``
     * ``max_output_bytes``: ``LLMResponse.output``
-    * ``max_string_bytes``: every other string, including metadata keys and values
-    * ``max_metadata_entries``: entries in a ``metadata`` map
+    * ``max_string_bytes``: every other string (and bytes value), including metadata keys
+      and values
+    * ``max_metadata_entries``: entries in a map (the records' ``metadata``)
     """
 
     max_record_bytes: int = 1_048_576
@@ -39,3 +44,11 @@ class SerdeLimits:
             value = getattr(self, name)
             if type(value) is not int or value < 0:
                 raise ValueError(f"SerdeLimits.{name} must be a non-negative int, got {value!r}")
+
+    def string_cap(self, record: str, field: str) -> tuple[int, str]:
+        """``(cap in UTF-8 bytes, name of the limit)`` of the strings in top-level field
+        ``field`` of record ``record`` (its short name, e.g. ``LLMRequest``)."""
+        own = _OWN_CAPS.get(record)
+        if own is not None and own[0] == field:
+            return getattr(self, own[1]), own[1]
+        return self.max_string_bytes, "max_string_bytes"

@@ -27,6 +27,9 @@ Every schema is checked when loaded:
 Parsed schemas have their ``logicalType`` annotations removed, so fastavro reads and
 writes timestamps as plain ``int`` milliseconds and UUIDs as ``str`` (logical types do
 not affect the binary encoding or the fingerprint).
+
+Errors name schemas by name and revision (``llm_request revision 3``), never by their
+path on this machine: their messages reach logs and dead-letter headers other people read.
 """
 
 from __future__ import annotations
@@ -83,7 +86,9 @@ class SchemaRevision:
     """One schema as published, with everything the codec needs precomputed.
 
     ``raw`` and ``json_text`` are the schema as published (docs and logical types
-    included); ``parsed`` is the fastavro-parsed form without logical types.
+    included); ``parsed`` is the fastavro-parsed form without logical types. ``source``
+    names where it came from for messages (``llm_request revision 3``, ``registry schema
+    id 7``), never a file path.
     """
 
     name: str
@@ -253,16 +258,23 @@ def prepare_schema(raw: Any, *, name: str, revision: int | None, source: str, js
     )
 
 
+def _label(name: str, revision: int | None) -> str:
+    return f"{name} revision {revision}" if revision is not None else f"the current {name} schema"
+
+
 def _read_schema_file(path: Path, name: str, revision: int | None) -> SchemaRevision:
+    label = _label(name, revision)
     try:
         text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SchemaLoadError(f"{path}: cannot read: {exc}") from exc
+    except OSError as exc:  # its str() names the path
+        raise SchemaLoadError(f"{label}: cannot read: {exc.strerror or type(exc).__name__}") from None
+    except UnicodeDecodeError as exc:
+        raise SchemaLoadError(f"{label}: not UTF-8: {exc.reason}") from None
     try:
         raw = json.loads(text)
     except ValueError as exc:
-        raise SchemaLoadError(f"{path}: not valid JSON: {exc}") from exc
-    return prepare_schema(raw, name=name, revision=revision, source=str(path), json_text=text)
+        raise SchemaLoadError(f"{label}: not valid JSON: {exc}") from None
+    return prepare_schema(raw, name=name, revision=revision, source=label, json_text=text)
 
 
 class SchemaStore:
@@ -311,15 +323,22 @@ class SchemaStore:
         root = Path(directory) if directory is not None else cls.default_directory()
         history_dir = root / "history"
         if not history_dir.is_dir():
-            raise SchemaLoadError(f"{history_dir}: schema history directory not found")
+            raise SchemaLoadError(
+                f"the schema directory has no history/ directory (the schema directory is ${SCHEMAS_DIR_ENV}, "
+                "else the repository's schemas/)"
+            )
 
         found: dict[str, dict[int, Path]] = {}
-        for path in sorted(history_dir.iterdir()):
+        try:
+            listing = sorted(history_dir.iterdir())
+        except OSError as exc:  # its str() names the path
+            raise SchemaLoadError(f"cannot list the history directory: {exc.strerror or type(exc).__name__}") from None
+        for path in listing:
             if path.suffix != ".avsc":
                 continue
             match = _HISTORY_FILE.match(path.name)
             if not match:
-                raise SchemaLoadError(f"{path}: history files must be named <name>.<revision>.avsc")
+                raise SchemaLoadError(f"history file {path.name!r}: history files must be named <name>.<revision>.avsc")
             found.setdefault(match["name"], {})[int(match["revision"])] = path
 
         revisions: list[SchemaRevision] = []
@@ -328,13 +347,11 @@ class SchemaStore:
         for name, paths in sorted(found.items()):
             numbers = sorted(paths)
             if numbers != list(range(1, len(numbers) + 1)):
-                raise SchemaLoadError(
-                    f"{history_dir}: revisions of {name} must be numbered 1..n without gaps, found {numbers}"
-                )
+                raise SchemaLoadError(f"revisions of {name} must be numbered 1..n without gaps, found {numbers}")
             revs = [_read_schema_file(paths[n], name, n) for n in numbers]
             fullnames = {r.fullname for r in revs}
             if len(fullnames) != 1:
-                raise SchemaLoadError(f"{history_dir}: revisions of {name} name different records: {sorted(fullnames)}")
+                raise SchemaLoadError(f"revisions of {name} name different records: {sorted(fullnames)}")
             revisions.extend(revs)
             by_name[name] = revs
             newest[name] = revs[-1]
@@ -343,10 +360,10 @@ class SchemaStore:
         for path in sorted(root.glob("*.avsc")):
             match = _CURRENT_FILE.match(path.name)
             if not match:
-                raise SchemaLoadError(f"{path}: current schema files must be named <name>.avsc")
+                raise SchemaLoadError(f"schema file {path.name!r}: current schema files must be named <name>.avsc")
             name = match["name"]
             if name not in by_name:
-                raise SchemaLoadError(f"{path}: no published revision in {history_dir} (add {name}.1.avsc)")
+                raise SchemaLoadError(f"{_label(name, None)} has no published revision (add history/{name}.1.avsc)")
             cur = _read_schema_file(path, name, None)
             if cur.raw == newest[name].raw:
                 current[name] = by_name[name][-1]
@@ -356,10 +373,11 @@ class SchemaStore:
                 if same:
                     current[name] = same[-1]
                     continue
-                raise SchemaLoadError(f"{path}: equals no published revision in {history_dir}")
+                raise SchemaLoadError(f"{_label(name, None)} equals no published revision")
+            following = newest[name].revision + 1
             raise SchemaLoadError(
-                f"{path}: differs from {newest[name].source}, the newest published revision; publish "
-                f"the change as {history_dir / f'{name}.{newest[name].revision + 1}.avsc'} or restore it"
+                f"{_label(name, None)} differs from {newest[name].source}, the newest published revision; "
+                f"publish the change as {name} revision {following} (history/{name}.{following}.avsc) or restore it"
             )
         return cls(revisions, current, directory=root)
 
