@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,11 @@ from typing import Any
 from pipeline.errors import ConfigError
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+
+#: librdkafka's log lines go to this Python logger instead of stderr; pipeline/kafka_log.py
+#: (installed by the CLI) rate-limits its connection failures. Only the name lives here, so
+#: config imports nothing above it.
+KAFKA_LOGGER = "pipeline.kafka"
 
 # Properties llmq sets itself for correctness; users may still override them on purpose.
 _PRODUCER_DEFAULTS = {
@@ -56,7 +62,10 @@ class KafkaSettings:
         return self.sasl_password
 
     def common_config(self) -> dict[str, Any]:
-        conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, "client.id": self.client_id}
+        conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, "client.id": self.client_id,
+                                # confluent-kafka passes each line to it from the thread that
+                                # polls the client (poll, consume, flush)
+                                "logger": logging.getLogger(KAFKA_LOGGER)}
         if self.security_protocol != "PLAINTEXT":
             conf["security.protocol"] = self.security_protocol
         if self.security_protocol.startswith("SASL_"):
