@@ -80,7 +80,8 @@ def fetch_jars(kafka_version: str, cache_dir: str = "", progress=print) -> Path:
         pom = staging.parent / "pom.xml"
         pom.write_text(resources.files("pipeline.resources").joinpath("kafka-pom.xml").read_text())
         cmd = [
-            "mvn", "-q", "-B", "-f", str(pom),
+            # Not -q: Maven's own lines are what tells how far a first fetch (minutes) has got.
+            "mvn", "-B", "-Dstyle.color=never", "-f", str(pom),
             f"-Dkafka.version={kafka_version}",
             f"-Dmaven.repo.local={cache_root(cache_dir) / 'm2'}",
             "dependency:copy-dependencies",
@@ -88,15 +89,60 @@ def fetch_jars(kafka_version: str, cache_dir: str = "", progress=print) -> Path:
             f"-DoutputDirectory={staging}",
         ]
         progress(f"fetching Apache Kafka {kafka_version} jars with Maven into {target} (once)")
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0 or not any(staging.glob("kafka_2.13-*.jar")):
+        counter = MavenProgress(progress)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace")
+        for line in proc.stdout:
+            counter.line(line)
+        returncode = proc.wait()
+        if returncode != 0 or not any(staging.glob("kafka_2.13-*.jar")):
             shutil.rmtree(staging, ignore_errors=True)
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
+            tail = "\n".join(counter.tail)
             raise BrokerError(f"Maven could not fetch org.apache.kafka:kafka_2.13:{kafka_version}:\n{tail}")
+        counter.done()
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
         marker.write_text(kafka_version + "\n")
     return target
+
+
+class MavenProgress:
+    """Turns Maven's output into a few progress lines: how many files it has downloaded (a
+    first fetch resolves a hundred or so, plugins included) and how many jars it copied."""
+
+    def __init__(self, progress, every_s: float = 5.0, clock=time.monotonic, keep: int = 20):
+        self.progress = progress
+        self.every_s = every_s
+        self.clock = clock
+        self.downloaded = 0
+        self.downloaded_jars = 0
+        self.copied = 0
+        self.tail: list[str] = []  # Maven's last lines, for the error message
+        self._keep = keep
+        self._last = clock()
+
+    def line(self, text: str) -> None:
+        text = text.rstrip()
+        bare = text[7:] if text.startswith("[INFO] ") else text
+        if bare.startswith("Downloaded from "):
+            self.downloaded += 1
+            # "Downloaded from central: https://…/x-1.0.jar (12 kB at 40 kB/s)"
+            url = bare.split(": ", 1)[-1].split(" ", 1)[0]
+            self.downloaded_jars += url.endswith(".jar")
+        elif bare.startswith("Copying "):
+            self.copied += 1
+        if text:
+            self.tail = (self.tail + [text])[-self._keep:]
+        now = self.clock()
+        if now - self._last >= self.every_s and (self.downloaded or self.copied):
+            self._last = now
+            self.progress(f"  Maven: {self.downloaded} files downloaded ({self.downloaded_jars} jars), "
+                          f"{self.copied} jars copied")
+
+    def done(self) -> None:
+        fetched = f", {self.downloaded} files downloaded" if self.downloaded else " (all from Maven's cache)"
+        jars = f"{self.copied} jar{'s' if self.copied != 1 else ''}"
+        self.progress(f"  Maven: {jars} copied{fetched}")
 
 
 def _free_port() -> int:

@@ -1,7 +1,8 @@
 """`llmq`: the command line of the llmq pipeline.
 
 Every command reads the same settings: defaults, then ``--config FILE`` (or
-``$LLMQ_CONFIG``), then ``LLMQ_*`` environment variables, then flags.
+``$LLMQ_CONFIG``), then ``LLMQ_*`` environment variables, then flags. The global options
+(``--config``, ``--bootstrap``, ``--log-level``) go before or after the command.
 """
 
 from __future__ import annotations
@@ -27,7 +28,22 @@ environment:
 quick start:
   llmq broker up && llmq topics create && llmq worker &
   llmq submit --tenant acme --priority high "Summarise the Kafka docs"
+
+`llmq COMMAND --help` explains each command.
 """
+
+_LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("llmq")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        from pipeline import __version__
+
+        return __version__
 
 
 def _settings(args) -> Settings:
@@ -35,6 +51,10 @@ def _settings(args) -> Settings:
     if getattr(args, "bootstrap", None):
         settings.kafka.bootstrap = args.bootstrap
     return settings
+
+
+def _print_json(doc) -> None:
+    print(json.dumps(doc, default=str))
 
 
 def _broker(args, settings: Settings):
@@ -52,7 +72,7 @@ def cmd_broker(args) -> int:
     settings = _settings(args)
     if args.action == "fetch":
         path = fetch_jars(settings.broker.kafka_version, settings.broker.cache_dir,
-                          progress=lambda m: print(m, file=sys.stderr))
+                          progress=lambda m: print(m, file=sys.stderr, flush=True))
         print(f"Kafka {settings.broker.kafka_version} jars: {path}")
         return 0
     broker = _broker(args, settings)
@@ -71,10 +91,14 @@ def cmd_broker(args) -> int:
     if args.action == "status":
         st = broker.status()
         state = "answering" if st.running else ("process running, not answering" if st.pid else "not running")
-        print(f"Kafka broker at {st.bootstrap}: {state}")
-        print(f"  pid:      {st.pid or '-'}")
-        print(f"  data dir: {st.data_dir}")
-        print(f"  log file: {st.log_file}")
+        if args.json:
+            _print_json({"bootstrap": st.bootstrap, "state": state, "answering": st.running, "pid": st.pid,
+                         "secure": broker.is_secure(), "data_dir": str(st.data_dir), "log_file": str(st.log_file)})
+        else:
+            print(f"Kafka broker at {st.bootstrap}: {state}")
+            print(f"  pid:      {st.pid or '-'}")
+            print(f"  data dir: {st.data_dir}")
+            print(f"  log file: {st.log_file}")
         return 0 if st.running else 1
     if args.action == "down":
         was = broker.down()
@@ -88,7 +112,12 @@ def cmd_topics(args) -> int:
 
     settings = _settings(args)
     report = create_pipeline_topics(settings, strict=False)
-    print(report.describe())
+    if args.json:
+        _print_json({"ok": report.ok, "created": report.created, "existing": report.existing,
+                     "mismatched": [{"topic": t, "configured_partitions": want, "broker_partitions": have}
+                                    for t, want, have in report.mismatched]})
+    else:
+        print(report.describe())
     if not report.ok:
         print("\nSome existing topics differ from the configuration (see MISMATCH above). llmq never "
               "changes an existing topic's partition count: adding partitions remaps tenants' keys. "
@@ -212,37 +241,182 @@ def cmd_lag_exporter(args) -> int:
     return run(_settings(args), args.groups, args.interval, args.metrics_port, args.metrics_addr)
 
 
+def _dlq_filter(args):
+    from pipeline.dlq import Filter
+
+    reasons = frozenset(r.strip() for given in (args.reason or []) for r in given.split(",") if r.strip())
+    return Filter(reasons, args.since, args.until)
+
+
+def _dlq_list(settings: Settings, args) -> int:
+    from pipeline.dlq import list_letters
+
+    rows = list_letters(settings, _dlq_filter(args))
+    if args.json:
+        for row in rows:
+            _print_json(row)
+        return 0
+    print(f"{'RECORD':<{len(settings.topics.dlq) + 12}} {'SOURCE':<34} {'REASON':<20} {'FAILED AT':<24} "
+          f"{'SIZE':>9}  REPLAYED TO")
+    for r in rows:
+        record = f"{r['dlq_topic']}:{r['partition']}:{r['offset']}"
+        source = f"{r['source_topic'] or '-'}:{r['source_partition']}:{r['source_offset']}"
+        size = f"{r['size']}" + (f" (of {r['truncated_from']})" if r["truncated_from"] else "")
+        print(f"{record:<{len(settings.topics.dlq) + 12}} {source:<34} {r['reason']:<20} {r['failed_at']:<24} "
+              f"{size:>9}  {r['replayed_to'] or '-'}")
+    print(f"{len(rows)} dead letter{'s' if len(rows) != 1 else ''}", file=sys.stderr)
+    return 0
+
+
+def _dlq_show(settings: Settings, args) -> int:
+    from pipeline.dlq import show_letter
+
+    try:
+        d = show_letter(settings, args.record, args.bytes)
+    except ValueError as exc:
+        print(f"llmq dlq show: {exc}", file=sys.stderr)
+        return 2
+    if d is None:
+        print(f"llmq dlq show: no dead letter {args.record} in {settings.topics.dlq} (expired, never written, "
+              "or in an aborted transaction)", file=sys.stderr)
+        return 1
+    if args.json:
+        _print_json(d)
+        return 0
+    rows = [("record", f"{d['dlq_topic']}:{d['partition']}:{d['offset']}  (written {d['timestamp']})"),
+            ("source", f"{d['source_topic'] or '-'}:{d['source_partition']}:{d['source_offset']}"),
+            ("reason", d["reason"]), ("stage", d["stage"] or "-"), ("failed at", d["failed_at"]),
+            ("error", d["error"] or "-"), ("key", d["key"] if d["key"] is not None else "(none)"),
+            ("value", f"{d['size']} bytes" + (f", cut from {d['truncated_from']}" if d["truncated_from"] else "")),
+            ("replay of", d["replay_of"] or "-"), ("replayed to", d["replayed_to"] or "not replayed")]
+    for name, value in rows:
+        print(f"{name + ':':<13}{value}")
+    print("headers:")
+    for k, v in d["headers"]:
+        print(f"  {k} = {v}")
+    print(f"value, first {min(args.bytes, d['size'])} bytes:")
+    print(f"  {d['value_preview']}")
+    for line in d["value_hex"]:
+        print(f"  {line}")
+    return 0
+
+
+def _dlq_replay(settings: Settings, args) -> int:
+    from pipeline.dlq import replay
+    from pipeline.progress import Progress
+
+    bar: list[Progress] = []
+
+    def on_progress(done: int, total: int) -> None:
+        # A bar only for replays of more than one batch (or on a terminal).
+        if not bar and (total > args.batch or sys.stderr.isatty()):
+            bar.append(Progress(total, "replaying"))
+        if bar:
+            bar[0].advance(done - bar[0].done)
+
+    try:
+        report = replay(settings, _dlq_filter(args), dry_run=args.dry_run, batch_size=args.batch,
+                        on_progress=on_progress)
+    finally:
+        if bar:
+            bar[0].close()
+    if args.json:
+        _print_json(report.to_dict())
+        return 0
+    if args.dry_run:
+        for copy in report.replayed:
+            print(f"{settings.topics.dlq}:{copy['record']} -> {copy['to']}")
+    print(report.describe())
+    return 0
+
+
+def cmd_dlq(args) -> int:
+    settings = _settings(args)
+    return {"list": _dlq_list, "show": _dlq_show, "replay": _dlq_replay}[args.action](settings, args)
+
+
+def _log_level(text: str) -> str:
+    level = text.strip().upper()
+    if level not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(_LOG_LEVELS)}")
+    return level
+
+
+def _time(text: str) -> int:
+    from pipeline.dlq import parse_time
+
+    try:
+        return parse_time(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return n
+
+
+def _global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    # On a command's own parser the defaults are SUPPRESS: an option given there sets the value,
+    # one left out keeps what the top-level parser read (``llmq --config x worker`` and
+    # ``llmq worker --config x`` are the same).
+    d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
+    g = parser.add_argument_group("global options (before or after the command)")
+    g.add_argument("--config", default=d(None), metavar="FILE",
+                   help="settings file (TOML; deploy/llmq.toml documents every key); default $LLMQ_CONFIG")
+    g.add_argument("--bootstrap", default=d(None), metavar="HOST:PORT",
+                   help="Kafka bootstrap servers; default $LLMQ_BOOTSTRAP or 127.0.0.1:9092")
+    g.add_argument("--log-level", default=d("INFO"), type=_log_level, metavar="LEVEL",
+                   help=f"{', '.join(_LOG_LEVELS)} (default INFO); librdkafka's own lines are logged as "
+                        "pipeline.kafka, repeated connection failures summarised")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmq", description="llmq: a Kafka pipeline that queues and schedules LLM inference requests.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="settings file (TOML); default $LLMQ_CONFIG")
-    parser.add_argument("--bootstrap", help="Kafka bootstrap servers; default $LLMQ_BOOTSTRAP or 127.0.0.1:9092")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--version", action="version", version=f"llmq {_version()}")
+    _global_options(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("broker", help="run a local single-node Apache Kafka (KRaft) from Maven jars",
-                       description="Manage the local development broker. `up` formats storage on first use, starts "
-                                   "Kafka in the background and waits until it answers; it is idempotent. `status` "
-                                   "exits 0 only when the broker answers. `down` stops it and leaves no process. "
-                                   "`fetch` only downloads the jars (once, into ~/.cache/llmq).")
+    def command(name: str, help: str, description: str | None = None, parent=sub) -> argparse.ArgumentParser:
+        p = parent.add_parser(name, help=help, description=description or help)
+        _global_options(p, suppress=True)
+        return p
+
+    p = command("broker", "run a local single-node Apache Kafka (KRaft) from Maven jars",
+                "Manage the local development broker. `up` formats storage on first use, starts Kafka in the "
+                "background and waits until it answers; it is idempotent. `status` exits 0 only when the broker "
+                "answers. `down` stops it and leaves no process. `fetch` only downloads the jars (once, into "
+                "~/.cache/llmq, counting them as Maven copies them).")
     p.add_argument("action", choices=["up", "status", "down", "fetch"])
     p.add_argument("--port", type=int, help="client port (default 9092; the controller gets a free port)")
     p.add_argument("--data-dir", help="storage, logs and pid file (default .llmq/kafka)")
     p.add_argument("--secure", action="store_true",
                    help="up: a SASL_SSL listener (SCRAM-SHA-512, a generated private CA) with the ACL authorizer; "
                         "one principal per role. Fixed when the data dir is first formatted.")
+    p.add_argument("--json", action="store_true", help="status: one JSON document (state, pid, data dir, log file)")
     p.set_defaults(func=cmd_broker)
 
-    p = sub.add_parser("topics", help="create the pipeline's topics (idempotent, verifies partition counts)")
+    p = command("topics", "create the pipeline's topics (idempotent, verifies partition counts)",
+                "Creates the request, dispatch, response, dead-letter and cancellation topics with the "
+                "partition counts and configs of the [topics] settings. Existing topics are left as they are; "
+                "one whose partition count differs is reported as MISMATCH and the exit status is 2 (llmq never "
+                "adds partitions: that would remap tenants' keys).")
     p.add_argument("action", choices=["create"])
+    p.add_argument("--json", action="store_true", help="one JSON document: ok, created, existing, mismatched")
     p.set_defaults(func=cmd_topics)
 
-    p = sub.add_parser("worker", help="consume requests, call the model backend, publish responses",
-                       description="An inference worker: a member of a consumer group over the request topics. It "
-                                   "commits a partition's offset only past requests whose responses the broker has "
-                                   "acknowledged. SIGTERM stops fetching, lets in-flight requests finish within "
-                                   "worker.shutdown_grace_s, commits and leaves the group.")
+    p = command("worker", "consume requests, call the model backend, publish responses",
+                "An inference worker: a member of a consumer group over the request topics. It commits a "
+                "partition's offset only past requests whose responses the broker has acknowledged. SIGTERM "
+                "stops fetching, lets in-flight requests finish within worker.shutdown_grace_s, commits and "
+                "leaves the group.")
     p.add_argument("--pool", help="realtime (CRITICAL+HIGH), async (NORMAL+LOW), background or all (default); "
                                   "a pool is its own consumer group, llmq-pool-<name>")
     p.add_argument("--delivery", choices=["at-least-once", "exactly-once"],
@@ -263,16 +437,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "request topics directly, without a gateway")
     p.set_defaults(func=cmd_worker)
 
-    p = sub.add_parser("gateway", help="admit requests: priorities, rate limits, quotas, bounded queues",
-                       description="The admission gateway (a Faust app): reads the five request topics and writes "
-                                   "admitted requests to <prefix>.dispatch.<band>, rejections/expirations/"
-                                   "cancellations to the response topic. Limits, quotas, tiers, queue caps and the "
-                                   "downgrade map come from the [gateway] section of the config file "
-                                   "(deploy/llmq.toml documents every key). Workers behind it run with "
-                                   "--source dispatch. GET /v1/queue on the web port shows per-band depth, drain "
-                                   "rate and ETA; /metrics serves Prometheus metrics. SIGTERM finishes the current "
-                                   "batch, commits and leaves the group (a static member, --instance-id, stays "
-                                   "in it until gateway.session_timeout_ms, 10 s by default).")
+    p = command("gateway", "admit requests: priorities, rate limits, quotas, bounded queues",
+                "The admission gateway (a Faust app): reads the five request topics and writes admitted requests "
+                "to <prefix>.dispatch.<band>, rejections/expirations/cancellations to the response topic. Limits, "
+                "quotas, tiers, queue caps and the downgrade map come from the [gateway] section of the config "
+                "file (deploy/llmq.toml documents every key). Workers behind it run with --source dispatch. GET "
+                "/v1/queue on the web port shows per-band depth, drain rate and ETA; /metrics serves Prometheus "
+                "metrics. SIGTERM finishes the current batch, commits and leaves the group (a static member, "
+                "--instance-id, stays in it until gateway.session_timeout_ms, 10 s by default).")
     p.add_argument("--web-port", type=int, help="port for /v1/queue and /metrics (default 6066; 0 = off)")
     p.add_argument("--app-id", help="Faust app id: consumer group and changelog topic prefix (default llmq-gateway)")
     p.add_argument("--instance-id", help="static group membership (e.g. the pod name): restarted under the same id, "
@@ -280,7 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "old session to time out; unique per gateway")
     p.set_defaults(func=cmd_gateway)
 
-    p = sub.add_parser("submit", help="submit one request and print its response")
+    p = command("submit", "submit one request and print its response",
+                "Publishes one request to the request topic of its priority (keyed by tenant) and, unless "
+                "--no-wait, waits for its terminal response. Exit status 0 when it is COMPLETED, 3 otherwise.")
     p.add_argument("prompt")
     p.add_argument("--tenant", required=True)
     p.add_argument("--priority", default="normal", help="critical, high, normal, low or background")
@@ -291,48 +465,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
     p.set_defaults(func=cmd_submit)
 
-    p = sub.add_parser("acls", help="print (or --apply) the least-privilege ACLs of every role",
-                       description="One principal per role: producer, consumer, client, worker, gateway, lagexporter "
-                                   "(see pipeline/acls.py). Without --apply, prints them. --apply creates them with the "
-                                   "configured credentials, or as the admin of the local broker given by --port/"
-                                   "--data-dir.")
+    p = command("acls", "print (or --apply) the least-privilege ACLs of every role",
+                "One principal per role: producer, consumer, client, worker, gateway, lagexporter (see "
+                "pipeline/acls.py). Without --apply, prints them. --apply creates them with the configured "
+                "credentials, or as the admin of the local broker given by --port/--data-dir.")
     p.add_argument("--apply", action="store_true")
     p.add_argument("--port", type=int, help="local secured broker's port (use its admin credentials)")
     p.add_argument("--data-dir", help="local secured broker's data dir")
     p.set_defaults(func=cmd_acls)
 
-    p = sub.add_parser("lag", help="consumer lag per group/topic/partition, per-priority totals, time lag, ETA",
-                       description="Like kafka-consumer-groups --describe for llmq's groups, plus per-priority queue "
-                                   "depth, age of the oldest unconsumed request (exact, from message timestamps), "
-                                   "drain rate (committed offsets per second between two samples) and ETA.")
+    p = command("lag", "consumer lag per group/topic/partition, per-priority totals, time lag, ETA",
+                "Like kafka-consumer-groups --describe for llmq's groups, plus per-priority queue depth, age of "
+                "the oldest unconsumed request (exact, from message timestamps), drain rate (committed offsets "
+                "per second between two samples) and ETA.")
     p.add_argument("--groups", default=r"^llmq-", help="regex of consumer groups to show (default ^llmq-)")
     p.add_argument("--json", action="store_true", help="one JSON document per sample")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until interrupted")
     p.add_argument("--sample", type=float, default=2.0, help="seconds between the two samples behind drain/ETA")
     p.set_defaults(func=cmd_lag)
 
-    p = sub.add_parser("lag-exporter", help="export consumer lag under kafka_exporter's metric names",
-                       description="Serves kafka_consumergroup_lag & co. (kafka_exporter names, so Grafana dashboard "
-                                   "7589 and Strimzi rules work) plus llmq_queue_depth, llmq_oldest_request_age_seconds "
-                                   "and llmq_consumergroup_lag_seconds. Reads the admin API once per --interval, "
-                                   "whatever the scrape rate.")
+    p = command("lag-exporter", "export consumer lag under kafka_exporter's metric names",
+                "Serves kafka_exporter's series (kafka_brokers, kafka_topic_partitions, "
+                "kafka_topic_partition_current_offset/oldest_offset, kafka_consumergroup_current_offset(_sum), "
+                "kafka_consumergroup_lag(_sum), kafka_consumergroup_members: Grafana dashboard 7589 and Strimzi "
+                "rules work) plus llmq_queue_depth, llmq_oldest_request_age_seconds and "
+                "llmq_consumergroup_lag_seconds. Lag is never negative; a partition never committed is counted "
+                "in llmq_consumergroup_uncommitted_partitions. Reads the admin API once per --interval, whatever "
+                "the scrape rate.")
     p.add_argument("--groups", default=r"^llmq-", help="regex of consumer groups to export (default ^llmq-)")
     p.add_argument("--interval", type=float, default=15.0, help="seconds between admin API reads (default 15)")
     p.add_argument("--metrics-port", type=int, default=9102)
     p.add_argument("--metrics-addr", default="127.0.0.1")
     p.set_defaults(func=cmd_lag_exporter)
 
-    p = sub.add_parser("cancel", help="cancel a request (answered CANCELLED unless already finished)")
+    _dlq_parser(command)
+
+    p = command("cancel", "cancel a request (answered CANCELLED unless already finished)",
+                "Publishes a cancellation for the request id: a request not yet started is answered CANCELLED "
+                "by whoever takes it next (gateway or worker); one already answered is left as it is.")
     p.add_argument("request_id")
     p.add_argument("--reason", default="cancelled by the client")
     p.set_defaults(func=cmd_cancel)
 
-    p = sub.add_parser("demo", help="the end-to-end demo behind `make demo`",
-                       description="Starts the local broker if none answers, creates topics, starts the gateway "
-                                   "and workers, submits a load mostly of BACKGROUND work (more than the workers "
-                                   "can take) across priorities and tenants, one of them rate-limited, some "
-                                   "requests degradable; prints per-priority waits and latencies, the rate-limited "
-                                   "and degraded requests, then stops what it started.")
+    p = command("demo", "the end-to-end demo behind `make demo`",
+                "Starts the local broker if none answers, creates topics, starts the gateway and workers, "
+                "submits a load mostly of BACKGROUND work (more than the workers can take) across priorities "
+                "and tenants, one of them rate-limited, some requests degradable; prints per-priority waits and "
+                "latencies, the rate-limited and degraded requests, then stops what it started.")
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--sim-latency-ms", type=float, default=20.0)
@@ -345,10 +524,65 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
+def _dlq_parser(command) -> None:
+    p = command("dlq", "list, show and replay dead letters (messages llmq could not read)",
+                "The dead-letter topic (<prefix>.dlq) holds the original bytes of every message llmq could not "
+                "read, with why in llmq.dlq.* headers. `list` and `replay` take the same filters. `replay` "
+                "publishes each one again to the topic it came from, marked llmq.replayed-from, e.g. once a "
+                "schema revision its writer used is published; a dead letter is replayed at most once, even "
+                "across interrupted runs (a replay mark is committed in the same transaction as its copy).")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    def filters(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--reason", action="append", metavar="REASON",
+                       help="only this reason (unknown_fingerprint, malformed, ...); repeat or comma-separate "
+                            "for several")
+        q.add_argument("--since", type=_time, metavar="TIME",
+                       help="failed at or after TIME: 30m, 2h, 7d (ago), 2026-01-31, 2026-01-31T14:00 (UTC) or "
+                            "with its zone, or epoch ms")
+        q.add_argument("--until", type=_time, metavar="TIME", help="failed at or before TIME (same forms)")
+
+    q = command("list", "one line per dead letter: record, source, reason, time, size, where it was replayed",
+                "One line per dead letter, oldest first per partition: the record (topic:partition:offset, what "
+                "`show` takes), the message it was (source topic:partition:offset), the reason, when it failed "
+                "(UTC), its size in bytes, and where its copy went if it was replayed.", parent=actions)
+    filters(q)
+    q.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+
+    q = command("show", "one dead letter: headers, error, a printable and hex preview of its value",
+                "One dead letter in full: its headers (control characters escaped), the error (without server "
+                "paths), key, and the first --bytes bytes of the value as text and as hex.", parent=actions)
+    q.add_argument("record", help="PARTITION:OFFSET, OFFSET (partition 0) or TOPIC:PARTITION:OFFSET as `list` shows")
+    q.add_argument("--bytes", type=_positive, default=256, help="how much of the value to preview (default 256)")
+    q.add_argument("--json", action="store_true", help="one JSON document")
+
+    q = command("replay", "publish dead letters again to the topic they came from, each at most once",
+                "Publishes each matching dead letter that was never replayed to its source topic (only llmq's "
+                "request and dispatch topics), key, value and headers as they were, plus "
+                "llmq.replayed-from: <dlq topic>:<partition>:<offset>. Copies and their replay marks commit "
+                "together, a batch per transaction; a run stopped half-way is resumed by running it again. One "
+                "replay of a topic at a time: a new run stops one still running. Dead letters cut to the size "
+                "limit are never replayed.", parent=actions)
+    filters(q)
+    q.add_argument("--dry-run", action="store_true", help="print what would be replayed; publish nothing")
+    q.add_argument("--batch", type=_positive, default=100, help="dead letters per transaction (default 100)")
+    q.add_argument("--json", action="store_true", help="the report as one JSON document")
+    p.set_defaults(func=cmd_dlq)
+
+
+def _setup_logging(level: str) -> None:
+    from pipeline import kafka_log
+
+    logging.basicConfig(level=getattr(logging, level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    kafka_log.install()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline import kafka_log
+
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
     try:
         return args.func(args)
     except LlmqError as exc:
@@ -356,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        kafka_log.flush()
 
 
 if __name__ == "__main__":
