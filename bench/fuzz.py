@@ -63,8 +63,8 @@ REASON_PREFIXES = {Status.REJECTED: ("invalid_request: ", "duplicate_request_id:
 
 _STORE = SchemaStore.load()
 _REVISIONS = {r.revision: r for r in _STORE.revisions("llm_request")}
-# Bodies are written as the current revision (3: the worker's strict fast path) or as older
-# writers every reader still resolves through fastavro (2 and 1).
+# Bodies are written as the current revision (3) or as the older writers every reader still
+# resolves to it (2 and 1); the codec checks the bytes of all three alike.
 HEADERS = {r: b"\xc3\x01" + _REVISIONS[r].fingerprint.le_bytes for r in (1, 2, 3)}
 FIELDS = {2: ("request_id", "tenant_id", "priority", "prompt", "model", "max_tokens", "created_at", "timeout_ms",
               "user_tier", "task_tier", "allow_degrade", "notify_queued", "trace_id", "metadata")}

@@ -64,7 +64,7 @@ def _varint(data, pos: int, where: str) -> tuple[int, int]:
         if shift == 63:
             if b > 1:
                 what = "is longer than 10 bytes" if b & 0x80 else "exceeds 64 bits"
-                raise DecodeError("malformed", f"{where}: the varint at body offset {start} {what}")
+                raise DecodeError("malformed", f"{where}: the varint at byte {start} {what}")
             n |= b << 63
             break
         n |= (b & 0x7F) << shift
@@ -97,7 +97,7 @@ def _length(data, pos: int, end: int, where: str) -> tuple[int, int]:
         # What fastavro reports for it, too (it tries to read -n bytes and gets fewer).
         raise DecodeError("truncated", f"{where}: negative length {n}")
     if n > end - pos:
-        raise DecodeError("truncated", f"{where}: {n} bytes claimed, {end - pos} left in the message")
+        raise DecodeError("truncated", f"{where}: {n} bytes claimed, {end - pos} left")
     return n, pos
 
 
@@ -126,8 +126,8 @@ def _walk(nodes: tuple, data, pos: int, end: int) -> int:
     """Check the values of ``nodes``, one after the other, from ``data[pos]``; returns the
     position after the last.
 
-    One-byte varints (short strings, small numbers, union branches) and the skipping of
-    longs are done inline: they are nearly every value of an ordinary message.
+    One-byte varints (short strings, small numbers, enum and union indexes) are read
+    inline: they are nearly every value of an ordinary message.
     """
     for node in nodes:
         try:
@@ -139,19 +139,17 @@ def _walk(nodes: tuple, data, pos: int, end: int) -> int:
                         n = b >> 1
                         pos += 1
                         if n > end - pos:
-                            raise DecodeError("truncated", f"{node[1]}: {n} bytes claimed, {end - pos} left in the message")
+                            raise DecodeError("truncated", f"{node[1]}: {n} bytes claimed, {end - pos} left")
                     else:
                         n, pos = _length(data, pos, end, node[1])
                     if n > node[2]:
                         raise DecodeError("limit_exceeded", f"{node[1]}: {n} bytes exceed {node[3]}={node[2]}")
                     pos += n
                 elif kind == _LONG:
-                    start = pos
-                    while data[pos] & 0x80:
+                    if data[pos] < 0x80:
                         pos += 1
-                    pos += 1
-                    if pos - start >= 10 and (pos - start > 10 or data[pos - 1] > 1):
-                        _varint(data, start, node[1])  # raises, saying what is wrong
+                    else:
+                        pos = _varint(data, pos, node[1])[1]
                 elif kind == _UNION:
                     b = data[pos]
                     branches = node[2]
@@ -266,10 +264,6 @@ class _Compiler:
         self.label = label
         self.named: dict[str, tuple[tuple | None, int]] = {}  # fullname -> (node, minimum bytes)
 
-    def string(self, kind: int, where: str, cap: tuple[int, str] | None = None) -> tuple[tuple, int]:
-        limit, name = cap if cap is not None else (self.limits.max_string_bytes, "max_string_bytes")
-        return (kind, where, limit, name), 1
-
     def node(self, schema: Any, where: str, cap: tuple[int, str] | None = None) -> tuple[tuple, int]:
         """``(node, minimum encoded bytes)``; ``cap`` applies to a string at this place."""
         if isinstance(schema, list):
@@ -295,10 +289,9 @@ class _Compiler:
                 entries = (values,), 1 + value_min, limits.max_metadata_entries, limits.max_string_bytes
                 return (_MAP, where) + entries, 1
             return self.node(kind, where, cap)  # {"type": "string"} and the like
-        if schema == "string":
-            return self.string(_STRING, where, cap)
-        if schema == "bytes":
-            return self.string(_STRING, where, cap)
+        if schema in ("string", "bytes"):
+            limit, name = cap if cap is not None else (self.limits.max_string_bytes, "max_string_bytes")
+            return (_STRING, where, limit, name), 1
         if schema in ("long", "int", "boolean"):
             return ({"long": _LONG, "int": _INT, "boolean": _BOOLEAN}[schema], where), 1
         if schema == "null":
@@ -347,8 +340,6 @@ class BodyCheck:
             for f in schema["fields"]:
                 cap = limits.string_cap(record, f["name"])
                 fields.append(compiler.node(f["type"], f"{record}.{f['name']}", cap)[0])
-        except SchemaLoadError:
-            raise
         except (KeyError, TypeError, ValueError) as exc:  # not what fastavro's parser produces
             raise SchemaLoadError(f"{label}: cannot check this schema: {type(exc).__name__}: {exc}") from None
         self.fields = tuple(fields)

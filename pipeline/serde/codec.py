@@ -309,7 +309,8 @@ class Codec:
             raise SchemaNotFoundError("unknown_fingerprint", f"no published schema has fingerprint {fp.hex()}")
         if writer.fullname != current.fullname:
             raise SchemaNotFoundError(
-                "unknown_fingerprint", f"fingerprint {fp.hex()} is {writer.source} ({writer.fullname}), not {current.fullname}"
+                "unknown_fingerprint",
+                f"fingerprint {fp.hex()} is {writer.source} ({writer.fullname}), not {current.fullname}",
             )
         # Published schemas passed the store's checks, so BodyCheck takes them all.
         return self._fp_readers.setdefault((fp, name), _Reader(self.store.read_plan(writer, name), self.limits))
@@ -328,7 +329,7 @@ class Codec:
         try:
             reader = _Reader(self.store.read_plan(writer, name), self.limits)
         except SchemaLoadError as exc:
-            raise SchemaNotFoundError("unknown_schema_id", f"registry schema id {schema_id} is unusable: {exc}") from None
+            raise SchemaNotFoundError("unknown_schema_id", f"schema id {schema_id} is unusable: {exc}") from None
         return self._id_readers.setdefault((schema_id, name), reader)
 
 

@@ -324,8 +324,8 @@ class SchemaStore:
         history_dir = root / "history"
         if not history_dir.is_dir():
             raise SchemaLoadError(
-                f"the schema directory has no history/ directory (the schema directory is ${SCHEMAS_DIR_ENV}, "
-                "else the repository's schemas/)"
+                f"the schema directory has no history directory (the schema directory is ${SCHEMAS_DIR_ENV}, "
+                "else the repository's schemas directory)"
             )
 
         found: dict[str, dict[int, Path]] = {}
@@ -363,7 +363,7 @@ class SchemaStore:
                 raise SchemaLoadError(f"schema file {path.name!r}: current schema files must be named <name>.avsc")
             name = match["name"]
             if name not in by_name:
-                raise SchemaLoadError(f"{_label(name, None)} has no published revision (add history/{name}.1.avsc)")
+                raise SchemaLoadError(f"{_label(name, None)} has no published revision (publish it as {name} revision 1)")
             cur = _read_schema_file(path, name, None)
             if cur.raw == newest[name].raw:
                 current[name] = by_name[name][-1]
@@ -377,7 +377,7 @@ class SchemaStore:
             following = newest[name].revision + 1
             raise SchemaLoadError(
                 f"{_label(name, None)} differs from {newest[name].source}, the newest published revision; "
-                f"publish the change as {name} revision {following} (history/{name}.{following}.avsc) or restore it"
+                f"publish the change as {name} revision {following} or restore it"
             )
         return cls(revisions, current, directory=root)
 

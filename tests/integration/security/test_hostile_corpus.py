@@ -51,9 +51,9 @@ CURRENT = _STORE.current_revision("llm_request")
 HEADER = b"\xc3\x01" + CURRENT.fingerprint.le_bytes
 HEADER_V1 = b"\xc3\x01" + _REV[1].fingerprint.le_bytes
 
-# Field order and kinds of the request schema: the current revision (3) and revision 1. The
-# current one is what the worker's strict fast path decodes; older writers go through fastavro's
-# schema resolution, which accepts more (see the v1_writer_* cases).
+# Field order and kinds of the request schema: the current revision (3) and revision 1. Older
+# writers are resolved to the current revision by fastavro, after the same checks of their bytes
+# (see the v1_writer_* cases).
 FIELDS_V2 = (("request_id", "string"), ("tenant_id", "string"), ("priority", "enum"), ("prompt", "string"),
              ("model", "string"), ("max_tokens", "int"), ("created_at", "long"), ("timeout_ms", "long"),
              ("user_tier", "string"), ("task_tier", "enum"), ("allow_degrade", "boolean"),
@@ -300,13 +300,10 @@ def build_corpus() -> list[Case]:
         assert resp.metadata == {}  # trace_id defaulted to null
 
     add(_request_case("v1_writer", Answer(Status.COMPLETED, check=v1_defaults), revision=1))
-    # Revision-1 messages are read by fastavro, which is lenient where the fast path is not
-    # (documented in pipeline/serde/codec.py): a negative enum index counts from the end...
-    add(_request_case("v1_writer_negative_priority_index",
-                      Answer(Status.COMPLETED, check=_body_wins("tenant-corpus", Priority.BACKGROUND)),
-                      revision=1, priority=-1))
-    # ... and any non-zero boolean byte is true.
-    add(_request_case("v1_writer_boolean_byte_0x02", Answer(Status.COMPLETED), revision=1, allow_degrade=2))
+    # fastavro alone would read a negative enum index from the end of the list and any non-zero
+    # boolean byte as true; the codec checks every writer revision's bytes alike before it reads.
+    add(Case("v1_writer_negative_priority_index", raw_request(1, priority=-1)[1], Dlq("invalid_field")))
+    add(Case("v1_writer_boolean_byte_0x02", raw_request(1, allow_degrade=2)[1], Dlq("invalid_field")))
 
     # Valid encodings no llmq encoder writes.
     add(_request_case("metadata_negative_block_count", Answer(Status.COMPLETED),
@@ -433,7 +430,7 @@ def run(bootstrap) -> Run:
                 read_topic(bs, settings.topics.dlq, timeout=30, until=lambda msgs: len(msgs) >= expected_letters)
             finally:
                 result.stats = worker.stats
-                result.fatal = worker._fatal
+                result.fatal = worker.session.fatal
                 result.processing_s = worker.stats.last_delivered_at - worker.stats.first_consumed_at
     except BaseException as exc:  # noqa: BLE001 - reported by the tests below
         result.errors.append(exc)
