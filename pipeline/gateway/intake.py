@@ -1,72 +1,147 @@
-"""Fetched records to the gateway in batches, instead of one faust event at a time.
+"""One request record in: decoded, recognised if seen before, decided, its outputs queued.
 
-faust hands every fetched message to its agents as an event: a ``ConsumerMessage``, the
-conductor's callback, a channel queue, the stream iterator, an acknowledgement, each with its
-own coroutine frames. Over a backlog that was ~40 % of the gateway's event loop, as much as the
-admission itself, and the loop is what limits the gateway. For the topics the gateway
-registers (the request topics and the response topic), the consumer's fetch loop
-(``_drain_messages`` in :mod:`pipeline.gateway.faust_fixes`) hands each fetch's records to a
-handler instead, a topic at a time in the registered order (CRITICAL first) and at most
-``max_batch`` records per call.
+The decision changes the tenant's state and the ids seen in memory at once (the next request
+sees it), but the outputs wait in the :class:`~pipeline.gateway.checkpoint.Checkpoint` until
+those changes are in the tables' changelogs: an answer never goes out before the state that
+explains it is durable. So after a crash a request is either
 
-The handler acknowledges the offsets of a batch through faust's own bookkeeping
-(:meth:`Acks.ack`) once the batch's outputs are delivered. faust still commits only
-contiguously acknowledged offsets, and before a rebalance or a shutdown it still waits for the
-batches in flight (each is one entry of the consumer's unacknowledged set). Every other
-topic (the tables' changelogs during recovery) takes faust's path unchanged.
+* redelivered with no trace of it in the tables: nothing of it went out, it is decided afresh;
+* redelivered with its decision in the ids seen: the same outputs go out again, unchanged and
+  charged nowhere (at-least-once repeats an answer, never changes it).
+
+A request id submitted again (from another offset) is dropped while the first copy waits for
+its answer; one the gateway answered itself gets that answer again; one whose answer came from
+a worker is dispatched again as it was the first time (the worker answers a known id with the
+answer it gave).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
 
-from faust.types.tuples import ack_lock
-from mode.utils.futures import notify
+from pipeline.dlq import dead_letter_headers
+from pipeline.errors import DecodeError, EncodeError
+from pipeline.gateway.checkpoint import Checkpoint
+from pipeline.gateway.seen import RecentIds, Seen
+from pipeline.gateway.tenants import TenantStates
+from pipeline.models import BANDS, Priority, Request, Response, Status, now_ms
+from pipeline.observability.metrics import GatewayMetrics, reason_code
+from pipeline.policy.admission import Action, Admission
+
+log = logging.getLogger(__name__)
+
+_STATUS = {Action.REJECT: Status.REJECTED, Action.EXPIRE: Status.EXPIRED, Action.CANCEL: Status.CANCELLED}
+_OUTCOME = {Status.REJECTED: "rejected", Status.EXPIRED: "expired", Status.CANCELLED: "cancelled"}
 
 
-class Acks:
-    """The offsets of one handled batch; acknowledged together, on the event loop's thread."""
+class Intake:
+    def __init__(self, *, codec, wire: str, admission: Admission, tenants: TenantStates, seen: RecentIds,
+                 checkpoint: Checkpoint, topics, metrics: GatewayMetrics, cancelled=lambda request_id: False):
+        self.codec = codec
+        self.wire = wire
+        self.admission = admission
+        self.tenants = tenants
+        self.seen = seen
+        self.checkpoint = checkpoint
+        self.metrics = metrics
+        self.cancelled = cancelled
+        self.responses = topics.responses
+        self.dlq = topics.dlq
+        self.dispatch = {p: topics.dispatch_topic(p) for p in BANDS}
 
-    __slots__ = ("consumer", "offsets", "acked", "__weakref__")
+    def handle(self, event) -> None:
+        msg = event.message
+        outputs: list = []
+        try:
+            self._handle(msg, outputs)
+        except Exception as exc:  # noqa: BLE001 (a bug must neither stop the gateway nor lose the request)
+            log.exception("admitting %s[%d]@%d failed", msg.topic, msg.partition, msg.offset)
+            outputs = [self._dead_letter(msg, "gateway_error", f"{type(exc).__name__}: {exc}")]
+        self.checkpoint.after_write(event, outputs)
 
-    def __init__(self, consumer):
-        self.consumer = consumer
-        self.offsets: dict = {}  # TP → [offset, ...]
-        self.acked = False
-
-    @property
-    def refcount(self) -> int:  # what faust logs of what it waits for
-        return 0 if self.acked else 1
-
-    def ack(self) -> None:
-        if self.acked:
+    def _handle(self, msg, outputs: list) -> None:
+        try:
+            req = self.codec.decode_request(msg.value)
+        except DecodeError as exc:
+            outputs.append(self._dead_letter(msg, exc.reason, str(exc)))
             return
-        self.acked = True
-        c = self.consumer
-        with ack_lock:  # as faust's Consumer.ack: the shared indexes change in one step
-            n = 0
-            for tp, offsets in self.offsets.items():
-                committed = c._committed_offset[tp]
-                index, acked = c._acked_index[tp], c._acked[tp]
-                for offset in offsets:
-                    if (committed is None or offset >= committed) and offset not in index:
-                        index.add(offset)
-                        acked.append(offset)
-                        n += 1
-            c._n_acked += n
-        c._unacked_messages.discard(self)
-        notify(c._waiting_for_ack)
+        source = f"{msg.topic}:{msg.partition}:{msg.offset}"
+        seen = self.seen.get(req.request_id)
+        if seen is not None:
+            self._again(req, seen, seen.source == source, outputs)
+            return
+        now = now_ms()
+        state = self.tenants.get(req.tenant_id)
+        decision = self.admission.decide(req, now, state, cancelled=self.cancelled(req.request_id))
+        m = self.metrics
+        if decision.action is Action.DISPATCH:
+            self.tenants.changed(req.tenant_id)
+            band = decision.band
+            self.seen.add(req.request_id, Seen(source, req.tenant_id, now, band.rank, decision.model or "",
+                                               decision.charged_tokens, decision.degraded_from or "", in_flight=True))
+            m.outcome(req.priority.value, "admitted")
+            if decision.degraded_from is not None:
+                m.degraded.labels(req.priority.value).inc()
+            if band is not req.priority:
+                m.reprioritised.labels(req.priority.value, band.value).inc()
+            self._dispatch(req, now, band, decision.model, decision.degraded_from, outputs)
+            if req.notify_queued:
+                eta = decision.eta_ms
+                outputs.append(self._answer(Response.for_request(
+                    req, Status.QUEUED, admitted_at=now, served_priority=band, queue_position=decision.position,
+                    eta_ms=None if eta is None or eta == float("inf") else int(eta), model=req.model,
+                    degraded=req.degraded_from is not None)))
+            return
+        status = _STATUS[decision.action]
+        self.seen.add(req.request_id, Seen(source, req.tenant_id, now, status=status.value,
+                                           reason=decision.reason or "", retry_after_ms=decision.retry_after_ms or 0,
+                                           served=decision.band.rank if decision.band is not None else -1))
+        m.outcome(req.priority.value, _OUTCOME[status])
+        if status is Status.REJECTED:
+            m.rejections.labels(req.priority.value, reason_code(decision.reason)).inc()
+        outputs.append(self._answer(Response.for_request(req, status, reason=decision.reason,
+                                                         retry_after_ms=decision.retry_after_ms,
+                                                         served_priority=decision.band)))
 
+    def _again(self, req: Request, seen: Seen, redelivered: bool, outputs: list) -> None:
+        """A request whose id was decided before: the same outcome again, or nothing."""
+        m = self.metrics
+        if seen.status:  # answered by the gateway: that answer again
+            m.outcome(req.priority.value, "redelivered" if redelivered else "duplicate")
+            outputs.append(self._answer(Response.for_request(
+                req, Status(seen.status), reason=seen.reason or None, retry_after_ms=seen.retry_after_ms or None,
+                served_priority=BANDS[seen.served] if seen.served >= 0 else None)))
+            return
+        if not redelivered and seen.in_flight:
+            m.outcome(req.priority.value, "duplicate")  # its first copy is still on its way: that answer covers it
+            return
+        m.outcome(req.priority.value, "redelivered" if redelivered else "duplicate")
+        band = BANDS[seen.dispatched]
+        self._dispatch(req, seen.at_ms, band, seen.model or req.model, seen.degraded_from or None, outputs)
 
-class BatchIntake:
-    """The topics read in batches, in the order they are served, and their handlers.
+    def _dispatch(self, req: Request, admitted_at: int, band: Priority, model: str, degraded_from: str | None,
+                  outputs: list) -> None:
+        req.admitted_at = admitted_at
+        req.effective_priority = band
+        if degraded_from is not None:
+            req.model, req.degraded_from = model, degraded_from
+        topic = self.dispatch[band]
+        outputs.append((topic, self.codec.encode_request(req, self.wire, topic), req.tenant_id.encode(), None))
 
-    ``handlers[topic](records, acks)`` is synchronous; ``records`` are aiokafka
-    ``ConsumerRecord``s (of one topic, possibly several partitions, each partition's in offset
-    order), and the handler calls ``acks.ack()`` when it is done with them, now or later.
-    """
+    def _answer(self, response: Response) -> tuple:
+        try:
+            value = self.codec.encode_response(response, self.wire, self.responses)
+        except EncodeError as exc:
+            # A refusal echoes nothing big, but a reason could still be long: keep it short.
+            response.reason = f"{(response.reason or '')[:200]} ({exc})"[:500]
+            value = self.codec.encode_response(response, self.wire, self.responses)
+        return self.responses, value, response.tenant_id.encode(), None
 
-    def __init__(self, handlers: dict[str, Callable[[Sequence, Acks], None]], max_batch: int):
-        self.handlers = dict(handlers)
-        self.rank = {topic: i for i, topic in enumerate(self.handlers)}
-        self.max_batch = max(1, max_batch)
+    def _dead_letter(self, msg, reason: str, detail: str) -> tuple:
+        self.metrics.outcome("UNKNOWN", "dead_lettered")
+        self.metrics.dead_letters.labels(reason).inc()
+        log.warning("dead-lettering %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, detail)
+        headers = dead_letter_headers(msg.topic, msg.partition, msg.offset, reason, detail, "gateway",
+                                      list(msg.headers.items()) if isinstance(msg.headers, dict)
+                                      else list(msg.headers or ()))
+        return self.dlq, msg.value, msg.key, headers

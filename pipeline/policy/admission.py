@@ -1,6 +1,6 @@
 """The gateway's admission decision, composed from the single-concern policies. Pure, no I/O.
 
-For each request, in order (the first that says no decides; nothing is counted for a request
+For each request, in order (the first that says no decides; nothing is charged for a request
 that is not admitted):
 
 1. validation                          → REJECTED invalid_request
@@ -13,28 +13,30 @@ that is not admitted):
 6. bounded queue of the band           → REJECTED queue_full + retry_after_ms (drain rate)
 7. deadline cannot be met at the band's current ETA
                                        → EXPIRED
-8. rate limits, every window, requests and tokens
+8. degradation: under load, a simple request that allows it gets the smaller model
+9. rate limits, every bucket, requests and tokens (of the model it will run on)
                                        → REJECTED rate_limited + which limit + retry_after_ms
-9. degradation: under load, a simple request that allows it gets the smaller model
-10. admitted: dispatched to its band with position and ETA; counted in the limits, the
-    tenant's outstanding and the band's depth.
+10. admitted: dispatched to its band with position and ETA; charged to the tenant's buckets,
+    counted in its outstanding requests and in the band's queue.
 
-Duplicate request ids are the caller's concern (it must answer an id once, across restarts).
+The tenant's state is one :class:`~pipeline.policy.state.TenantState`, changed in place on
+admission. Duplicate request ids are the caller's concern.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pipeline.models import Priority, Request
+from pipeline.policy import ratelimit
 from pipeline.policy.fairness import FairnessQuotas
 from pipeline.policy.priority import PriorityPolicy, effective_priority
 from pipeline.policy.queues import QueueModel
-from pipeline.policy.ratelimit import RateLimiter
+from pipeline.policy.ratelimit import RateLimit
+from pipeline.policy.state import TenantState
 from pipeline.policy.validation import validate_request
-
 
 _UNKNOWN = float("inf")
 
@@ -44,10 +46,6 @@ class Action(enum.Enum):
     REJECT = "reject"
     EXPIRE = "expire"
     CANCEL = "cancel"
-
-
-_DISPATCH = Action.DISPATCH  # an enum member read from its class costs a lookup every time
-_new = tuple.__new__  # a NamedTuple built from a tuple: its keyword-parsing __new__ costs ~0.7 us
 
 
 class Decision(NamedTuple):
@@ -60,6 +58,8 @@ class Decision(NamedTuple):
     position: int | None = None
     eta_ms: float | None = None
     notes: tuple[str, ...] = ()
+    #: The token estimate charged to the buckets (prompt estimate + max_tokens), settled later.
+    charged_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,16 +70,27 @@ class DegradePolicy:
     simple_max_tokens: int = 512
 
 
+@dataclass(frozen=True)
+class RateLimits:
+    """The limits of every tenant: ``default`` unless the tenant has its own."""
+
+    default: list[RateLimit] = field(default_factory=list)
+    per_tenant: dict[str, list[RateLimit]] = field(default_factory=dict)
+
+    def of(self, tenant: str) -> list[RateLimit]:
+        return self.per_tenant.get(tenant, self.default)
+
+
 def estimate_prompt_tokens(prompt: str) -> int:
     """≈4 characters per token (English BPE); the same estimate the workers report."""
     return max(1, (len(prompt) + 3) // 4)
 
 
 class Admission:
-    def __init__(self, priority: PriorityPolicy, limiter: RateLimiter, quotas: FairnessQuotas, queues: QueueModel,
+    def __init__(self, priority: PriorityPolicy, limits: RateLimits, quotas: FairnessQuotas, queues: QueueModel,
                  degrade: DegradePolicy, *, max_timeout_ms: int = 600_000):
         self.priority = priority
-        self.limiter = limiter
+        self.limits = limits
         self.quotas = quotas
         self.queues = queues
         self.degrade = degrade
@@ -88,52 +99,42 @@ class Admission:
     def deadline_ms(self, req: Request) -> int:
         return req.created_at + min(req.timeout_ms, self.max_timeout_ms)
 
-    def decide(self, req: Request, now_ms: int, *, cancelled: bool = False) -> Decision:
-        # Run for every request the gateway reads: attributes are read once into locals, and
-        # the common answers built without the keyword parsing of their NamedTuples.
+    def decide(self, req: Request, now_ms: int, state: TenantState, *, cancelled: bool = False) -> Decision:
         problem = validate_request(req, now_ms)
         if problem is not None:
             return Decision(Action.REJECT, problem)
         if cancelled:
             return Decision(Action.CANCEL, "cancelled: cancelled by the client before dispatch")
-        timeout = req.timeout_ms
-        max_timeout = self.max_timeout_ms
-        left = req.created_at + (timeout if timeout < max_timeout else max_timeout) - now_ms
+        left = self.deadline_ms(req) - now_ms
         if left <= 0:
             return Decision(Action.EXPIRE, f"expired: deadline passed {-left} ms before admission")
 
-        queues = self.queues
-        quotas = self.quotas
-        tenant = req.tenant_id
-        requested = req.priority
-        rate, load = queues.outlook(now_ms)
-        eta = queues.eta_ms(requested.rank, now_ms, rate)
-        wanted = effective_priority(requested, req.user_tier, left, eta if eta < _UNKNOWN else 0.0, load,
+        queues, quotas, tenant = self.queues, self.quotas, req.tenant_id
+        load = queues.load(req.priority.rank)
+        eta = queues.eta_ms(req.priority.rank)
+        wanted = effective_priority(req.priority, req.user_tier, left, eta if eta < _UNKNOWN else 0.0, load,
                                     self.priority)
         notes = wanted.reasons
         effective = wanted.effective
-        placement = quotas.place(tenant, effective)
+        placement = quotas.place(tenant, effective, state.outstanding)
         band = placement.band
         if band is None:
-            verdict = queues.check(effective.rank, now_ms, rate)
             # Room comes back as the tenant's requests finish: about the band's ETA.
+            verdict = queues.check(effective.rank)
             retry = max(verdict.retry_after_ms, int(min(verdict.eta_ms, 60_000)), 100)
-            cap = quotas.cap(tenant, effective)
-            return Decision(Action.REJECT, f"quota_exceeded: tenant has {cap} requests outstanding in "
-                                           f"{effective.value} and every band down to {quotas.floor.value}",
-                            retry_after_ms=retry, band=effective)
+            return Decision(Action.REJECT, f"quota_exceeded: tenant has {quotas.cap(tenant, effective)} requests "
+                                           f"outstanding in {effective.value} and every band down to "
+                                           f"{quotas.floor.value}", retry_after_ms=retry, band=effective)
         if placement.demoted_from is not None:
             notes += (f"quota: demoted from {placement.demoted_from.value}",)
-        rank = band.rank
-        verdict = queues.check(rank, now_ms, rate)
-        full, position, band_eta, _ = verdict
-        if full:
-            return Decision(Action.REJECT, f"queue_full: band {band.value} holds {queues.depth[rank]} requests "
-                                           f"(cap {queues.caps[rank]})",
-                            retry_after_ms=verdict.retry_after_ms, band=band, position=position)
+        verdict = queues.check(band.rank)
+        if verdict.full:
+            return Decision(Action.REJECT, f"queue_full: band {band.value} holds {queues.depth[band.rank]} requests "
+                                           f"(cap {queues.caps[band.rank]})",
+                            retry_after_ms=verdict.retry_after_ms, band=band, position=verdict.position)
         # An unknown ETA (nothing has drained yet) is no reason to give up on a request.
-        if left < band_eta < _UNKNOWN:
-            return Decision(Action.EXPIRE, f"expired: deadline cannot be met (queue ETA {band_eta:.0f} ms, "
+        if left < verdict.eta_ms < _UNKNOWN:
+            return Decision(Action.EXPIRE, f"expired: deadline cannot be met (queue ETA {verdict.eta_ms:.0f} ms, "
                                            f"{left} ms left)", band=band)
 
         model, degraded_from = req.model, None
@@ -144,17 +145,21 @@ class Admission:
             model, degraded_from = d.downgrade[model], model
             notes += (f"degraded {degraded_from} -> {model} at load {load:.0%}",)
 
-        limited = self.limiter.admit(tenant, model, prompt_tokens + req.max_tokens, now_ms)
+        charged = prompt_tokens + req.max_tokens
+        limited = ratelimit.admit(state.buckets, self.limits.of(tenant), model, charged, now_ms)
         if not limited.admitted:
             return Decision(Action.REJECT, f"rate_limited: limit {limited.limit}: {limited.detail}",
                             retry_after_ms=limited.retry_after_ms or None, band=band)
 
-        quotas.admitted(tenant, band)
-        queues.admitted(rank, now_ms)
-        # Decision(_DISPATCH, band=, model=, degraded_from=, position=, eta_ms=, notes=)
-        return _new(Decision, (_DISPATCH, None, None, band, model, degraded_from, position, band_eta, notes))
+        state.admitted(band.rank)
+        queues.admitted(band.rank)
+        return Decision(Action.DISPATCH, band=band, model=model, degraded_from=degraded_from,
+                        position=verdict.position, eta_ms=verdict.eta_ms, notes=notes, charged_tokens=charged)
 
-    def finished(self, tenant: str, band: Priority, now_ms: int) -> None:
-        """A dispatched request reached its terminal response."""
-        self.quotas.finished(tenant, band)
-        self.queues.finished(band.rank, now_ms)
+    def finished(self, tenant: str, state: TenantState, band: Priority, model: str | None, charged_tokens: int,
+                 used_tokens: int | None, now_ms: int) -> None:
+        """A dispatched request reached its terminal response: one fewer outstanding, and the
+        token buckets corrected by what it really used (when the answer says)."""
+        state.finished(band.rank)
+        if used_tokens is not None and charged_tokens and model is not None:
+            ratelimit.settle(state.buckets, self.limits.of(tenant), model, used_tokens - charged_tokens, now_ms)

@@ -1,147 +1,137 @@
-"""Bounded per-band queues and backpressure: depth, drain rate, position, ETA, retry-after.
+"""Bounded per-band queues and backpressure: depth, drain rate, load, position, ETA, retry-after.
 Pure, no I/O.
 
-The gateway cannot see inside the workers, so a band's *depth* is what it admitted and has not
-yet seen finished on the response topic. The *drain rate* is the rate of those completions over
-a sliding window; *capacity* is the best drain rate seen recently, so *load* (arrivals over
-capacity) says how close the pipeline is to saturation.
+A band's queue is its dispatch topic: what the gateways wrote there and the workers have not yet
+committed. The gateway observes that from the topic's offsets (every instance sees the same
+numbers, so caps, positions and ETAs are global) and adds what it admitted itself since the last
+observation. From the same offsets come the *drain rate* (committed offsets advancing) and the
+*arrival rate* (end offsets advancing), both smoothed with a time constant of a few seconds.
+
+*Load*, per band, is how long work in that band waits, relative to ``target_queue_ms``: the queue
+wait that the band's finished requests report (``started_at − admitted_at``, smoothed), or, once
+the queue ahead of a new request is deep, the time it takes to drain at the current rate,
+whichever is longer. A BACKGROUND backlog, which is there by design, is no load for NORMAL. It needs no estimate of the workers'
+capacity, which the gateway cannot measure while they keep up (drain then equals arrivals,
+whatever they could do). When the workers slow down or disappear, waits and drain times grow and
+the load rises with them; a backlog that does not drain at all is overload.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import math
 from typing import NamedTuple
 
-from pipeline.models import Priority
+from pipeline.models import BANDS
 
-N_BANDS = len(Priority)
-_new = tuple.__new__  # a NamedTuple built from a tuple: its keyword-parsing __new__ costs ~0.5 us
-
-
-class RateMeter:
-    """Events per second over the last ``window_ms``, in 1-second buckets."""
-
-    def __init__(self, window_ms: int = 10_000, bucket_ms: int = 1_000):
-        self.bucket_ms = bucket_ms
-        self.buckets = max(1, window_ms // bucket_ms)
-        self._counts: deque[list[int]] = deque()  # [bucket_start, count]
-        self._total = 0  # of the counts (asked for on every admission decision)
-        self._first_ms: int | None = None
-        # The last rate asked for, and at which ms: an admission asks several times a
-        # decision, and at thousands a second many decisions share a millisecond.
-        self._rate_ms: int | None = None
-        self._rate = 0.0
-        self._span_ms = 1
-
-    def add(self, now_ms: int, n: int = 1) -> None:
-        counts = self._counts
-        start = now_ms - now_ms % self.bucket_ms
-        if now_ms == self._rate_ms and counts and counts[-1][0] == start:
-            # In the millisecond of the last rate, into its newest bucket: nothing ages out and
-            # the span is the same, so the rate is kept up to date instead of recomputed.
-            counts[-1][1] += n
-            self._total += n
-            self._rate = self._total * 1000.0 / self._span_ms
-            return
-        self._rate_ms = None
-        if self._first_ms is None:
-            self._first_ms = now_ms
-        if counts and counts[-1][0] == start:
-            counts[-1][1] += n
-        else:
-            counts.append([start, n])
-        self._total += n
-        self._trim(now_ms)
-
-    def _trim(self, now_ms: int) -> None:
-        oldest = now_ms - self.buckets * self.bucket_ms
-        counts = self._counts
-        while counts and counts[0][0] <= oldest:
-            self._total -= counts.popleft()[1]
-
-    def rate(self, now_ms: int) -> float:
-        if now_ms == self._rate_ms:
-            return self._rate
-        self._trim(now_ms)
-        if not self._counts or self._first_ms is None:
-            rate = 0.0
-        else:
-            # Over the time actually observed, so a young meter is not diluted by empty history.
-            span_ms = self._span_ms = min(self.buckets * self.bucket_ms, max(now_ms - self._first_ms, self.bucket_ms))
-            rate = self._total * 1000.0 / span_ms
-        self._rate_ms, self._rate = now_ms, rate
-        return rate
+N_BANDS = len(BANDS)
 
 
 class QueueVerdict(NamedTuple):
     full: bool
     position: int  # 1-based: requests ahead of it (this and higher bands) + 1
-    eta_ms: float  # estimated wait before a worker starts it
+    eta_ms: float  # estimated wait before a worker starts it (inf: unknown)
     retry_after_ms: int = 0
+
+
+class Rate:
+    """An event rate smoothed exponentially over ``tau_ms``, fed with running totals."""
+
+    def __init__(self, tau_ms: float = 3_000.0):
+        self.tau_ms = tau_ms
+        self.per_s = 0.0
+        self._total: int | None = None
+        self._at: float | None = None
+
+    def observe(self, total: int, now_ms: float) -> None:
+        if self._total is None or now_ms <= self._at or total < self._total:
+            # First sample, or the totals were reset (topics recreated): start over from here.
+            self._total, self._at = total, now_ms
+            return
+        dt = now_ms - self._at
+        sample = (total - self._total) * 1000.0 / dt
+        weight = 1.0 - math.exp(-dt / self.tau_ms)
+        self.per_s += (sample - self.per_s) * weight
+        self._total, self._at = total, now_ms
 
 
 class QueueModel:
     """Depth and drain of each band; ``caps[rank]`` bounds a band's depth (0 = unbounded)."""
 
-    def __init__(self, caps: list[int], *, default_rate_per_s: float = 0.0, window_ms: int = 10_000,
-                 min_retry_ms: int = 100, max_retry_ms: int = 60_000):
+    def __init__(self, caps: list[int], *, default_rate_per_s: float = 0.0, min_retry_ms: int = 100,
+                 max_retry_ms: int = 60_000, target_queue_ms: float = 2_000.0, tau_ms: float = 3_000.0,
+                 deep: int = 100):
         assert len(caps) == N_BANDS
         self.caps = list(caps)
-        self.depth = [0] * N_BANDS
         self.default_rate = default_rate_per_s
-        self._drain = RateMeter(window_ms)
-        self._arrivals = RateMeter(window_ms)
-        self._capacity = 0.0
         self.min_retry_ms = min_retry_ms
         self.max_retry_ms = max_retry_ms
+        self.target_queue_ms = target_queue_ms
+        self.tau_ms = tau_ms
+        #: A queue this deep (all bands) counts by its drain time too: below it, the requests
+        #: in it are mostly the ones workers hold in flight, whatever the rate.
+        self.deep = deep
+        self._wait_ms = [0.0] * N_BANDS
+        self._waited_at: list[float | None] = [None] * N_BANDS
+        self._observed = [0] * N_BANDS  # the depths of the last observation
+        self._local = [0] * N_BANDS  # admitted here since then
+        self._drain = Rate(tau_ms)
+        self._arrivals = Rate(tau_ms)
+        self.observations = 0
 
-    # -- events ---------------------------------------------------------------------------
+    # -- what the gateway tells it -------------------------------------------------------
 
-    def admitted(self, rank: int, now_ms: int) -> None:
-        self.depth[rank] += 1
-        self._arrivals.add(now_ms)
+    def observe(self, depths: list[int], arrived_total: int, drained_total: int, now_ms: float) -> None:
+        """The dispatch topics' offsets: per band, end minus committed; over all bands, the sums
+        of end and of committed offsets (running totals)."""
+        self._observed = [max(0, d) for d in depths]
+        self._local = [0] * N_BANDS
+        self._drain.observe(drained_total, now_ms)
+        self._arrivals.observe(arrived_total, now_ms)
+        self.observations += 1
 
-    def finished(self, rank: int, now_ms: int) -> None:
-        if self.depth[rank] > 0:
-            self.depth[rank] -= 1
-        self._drain.add(now_ms)
+    def admitted(self, rank: int) -> None:
+        self._local[rank] += 1
+
+    def waited(self, rank: int, wait_ms: float, now_ms: float) -> None:
+        """A finished request of band ``rank`` waited ``wait_ms`` before a worker started it."""
+        last, self._waited_at[rank] = self._waited_at[rank], now_ms
+        weight = 1.0 if last is None else 1.0 - math.exp(-max(0.0, now_ms - last) / self.tau_ms)
+        self._wait_ms[rank] += (max(0.0, wait_ms) - self._wait_ms[rank]) * weight
 
     # -- estimates ------------------------------------------------------------------------
 
-    def drain_rate(self, now_ms: int) -> float:
-        rate = self._drain.rate(now_ms)
-        if rate > self._capacity:
-            self._capacity = rate
-        return rate or self.default_rate
+    @property
+    def depth(self) -> list[int]:
+        return [o + local for o, local in zip(self._observed, self._local)]
 
-    def capacity(self, now_ms: int) -> float:
-        self.drain_rate(now_ms)
-        return self._capacity or self.default_rate
+    def drain_rate(self) -> float:
+        return self._drain.per_s if self.observations > 1 else self.default_rate
 
-    def load(self, now_ms: int) -> float:
-        """Arrival rate over measured capacity (0 before any capacity was measured)."""
-        return self.outlook(now_ms)[1]
+    def arrival_rate(self) -> float:
+        return self._arrivals.per_s if self.observations > 1 else 0.0
 
-    def outlook(self, now_ms: int) -> tuple[float, float]:
-        """``(drain_rate, load)`` at ``now_ms``: what an admission decision reads, once."""
-        rate = self.drain_rate(now_ms)
-        cap = self._capacity or self.default_rate
-        return rate, (self._arrivals.rate(now_ms) / cap if cap > 0 else 0.0)
+    def queued_ms(self) -> float:
+        """How long the work in every band takes to drain at the current rate (inf: nothing drains)."""
+        return _eta_ms(sum(self.depth), self.drain_rate())
 
-    def ahead(self, rank: int) -> int:
-        """Requests a new one in band ``rank`` waits behind: its own band and every higher one."""
-        return sum(self.depth[: rank + 1])
+    def load(self, rank: int) -> float:
+        """How long work in band ``rank`` waits, over ``target_queue_ms`` (1.0: that long), at most 10."""
+        wait = self._wait_ms[rank]
+        if sum(self.depth[: rank + 1]) >= self.deep:
+            queued = self.eta_ms(rank)
+            if queued == float("inf"):
+                # A backlog that does not drain at all: overloaded, once the rates have been seen.
+                return 10.0 if self.observations > 3 else min(10.0, wait / self.target_queue_ms)
+            wait = max(wait, queued)
+        return min(10.0, wait / self.target_queue_ms)
 
-    def eta_ms(self, rank: int, now_ms: int, rate: float | None = None) -> float:
-        """``rate``: the drain rate at ``now_ms``, if the caller has it already."""
-        return _eta_ms(sum(self.depth[: rank + 1]), self.drain_rate(now_ms) if rate is None else rate)
+    def eta_ms(self, rank: int) -> float:
+        return _eta_ms(sum(self.depth[: rank + 1]), self.drain_rate())
 
-    def check(self, rank: int, now_ms: int, rate: float | None = None) -> QueueVerdict:
-        """Whether band ``rank`` has room for one more, and where it would stand (``rate``:
-        the drain rate at ``now_ms``, if the caller has it already)."""
-        if rate is None:
-            rate = self.drain_rate(now_ms)
+    def check(self, rank: int) -> QueueVerdict:
+        """Whether band ``rank`` has room for one more, and where it would stand."""
         depth = self.depth
+        rate = self.drain_rate()
         ahead = sum(depth[: rank + 1])
         eta = _eta_ms(ahead, rate)
         cap = self.caps[rank]
@@ -150,16 +140,18 @@ class QueueModel:
             excess = depth[rank] - cap + 1
             retry = excess * 1000.0 / rate if rate > 0 else self.max_retry_ms
             retry_ms = int(min(max(retry, self.min_retry_ms), self.max_retry_ms))
-            return _new(QueueVerdict, (True, ahead + 1, eta, retry_ms))
-        return _new(QueueVerdict, (False, ahead + 1, eta, 0))
+            return QueueVerdict(True, ahead + 1, eta, retry_ms)
+        return QueueVerdict(False, ahead + 1, eta, 0)
 
-    def snapshot(self, now_ms: int) -> dict:
+    def snapshot(self) -> dict:
         """What ``GET /v1/queue`` shows."""
-        rate = self.drain_rate(now_ms)
-        return {"drain_rate_per_s": round(rate, 2), "capacity_per_s": round(self.capacity(now_ms), 2),
-                "load": round(self.load(now_ms), 3),
-                "bands": {p.value: {"depth": self.depth[p.rank], "cap": self.caps[p.rank],
-                                    "eta_ms": _finite(self.eta_ms(p.rank, now_ms))} for p in Priority}}
+        depth = self.depth
+        return {"drain_rate_per_s": round(self.drain_rate(), 2), "arrival_rate_per_s": round(self.arrival_rate(), 2),
+                "queued_ms": _finite(self.queued_ms()),
+                "bands": {p.value: {"depth": depth[p.rank], "cap": self.caps[p.rank],
+                                    "eta_ms": _finite(self.eta_ms(p.rank)),
+                                    "wait_ms": round(self._wait_ms[p.rank], 1),
+                                    "load": round(self.load(p.rank), 3)} for p in BANDS}}
 
 
 def _eta_ms(ahead: int, rate: float) -> float:

@@ -1,123 +1,112 @@
-"""Windowed rate limits per tenant (and per tenant × model): requests AND tokens. Pure, no I/O.
+"""Token-bucket rate limits per tenant (and per tenant × model): requests AND tokens. Pure, no I/O.
 
-Fixed (tumbling) windows aligned to the epoch, several at once (say per second and per
-minute). A request is admitted only if every applicable limit has room for it, and only then
-is it counted in all of them: no limit is ever exceeded, whatever the order of arrivals. A
-rejection names the limit and says when that window has room again.
+Each limit is a pair of buckets kept the GCRA way (as redis-cell and throttled keep them): one
+number per bucket, the *theoretical arrival time* (TAT), the moment the bucket would be full
+again. A request costs one emission interval of the request bucket (``window_ms / requests``)
+and ``tokens`` emission intervals of the token bucket (``window_ms / tokens``); it is admitted
+when, after paying, neither bucket is more than its burst ahead of now. Consequences:
 
-The counts live in a plain mapping ``(limit name, who, window start) → [requests, tokens]``, so
-the Faust gateway can keep them in changelog-backed windowed tables (they survive a restart) and
-benchmarks can use a dict.
+* over any interval of length L, a limit admits at most ``burst + requests × L / window_ms``
+  requests (and the same for tokens): there is no window edge to burst across;
+* a refused request changes nothing, and its ``retry_after_ms`` is exact: the moment the
+  bucket that refused has room for it;
+* the state of a tenant is a handful of floats, so it fits one table record.
+
+The limits themselves are settings (:class:`pipeline.config.gateway.RateLimitSettings`).
+Token costs are an estimate at admission (prompt estimate + ``max_tokens``); :func:`settle`
+corrects the token bucket by the difference once the response reports the real usage.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import MutableMapping, NamedTuple
 
+from pipeline.config.gateway import RateLimitSettings as RateLimit
 
-@dataclass(frozen=True)
-class WindowLimit:
-    """At most ``requests`` requests and ``tokens`` tokens per ``window_ms`` (0 = no such cap)."""
+_US = "\x1f"
 
-    name: str
-    window_ms: int
-    requests: int = 0
-    tokens: int = 0
-    #: "tenant" counts per tenant; "tenant_model" per tenant and model.
-    scope: str = "tenant"
 
-    def __post_init__(self):
-        if self.window_ms <= 0:
-            raise ValueError(f"limit {self.name}: window_ms must be > 0")
-        if self.requests < 0 or self.tokens < 0 or (self.requests == 0 and self.tokens == 0):
-            raise ValueError(f"limit {self.name}: set requests and/or tokens > 0")
-        if self.scope not in ("tenant", "tenant_model"):
-            raise ValueError(f"limit {self.name}: scope must be 'tenant' or 'tenant_model'")
+def limit_key(limit: RateLimit, model: str) -> str:
+    """Where ``limit``'s buckets live in a tenant's state."""
+    return limit.name if limit.scope == "tenant" else f"{limit.name}{_US}{model}"
+
+
+def describe(limit: RateLimit) -> str:
+    parts = []
+    if limit.requests:
+        parts.append(f"{limit.requests} requests")
+    if limit.tokens:
+        parts.append(f"{limit.tokens} tokens")
+    return f"{' and '.join(parts)} per {limit.window_ms} ms"
 
 
 class RateDecision(NamedTuple):
     admitted: bool
     limit: str = ""
-    #: When the window that refused has room again (0 when admitted).
+    #: When the bucket that refused has room again (0 when admitted, or when it never will).
     retry_after_ms: int = 0
     detail: str = ""
 
 
 ADMIT = RateDecision(True)
 
-
-def window_start(now_ms: int, window_ms: int) -> int:
-    return now_ms - now_ms % window_ms
-
-
-def counter_key(limit: WindowLimit, tenant: str, model: str, start_ms: int) -> tuple[str, str, int]:
-    """(limit name, who, window start); who is the tenant, or ``tenant<US>model``."""
-    who = tenant if limit.scope == "tenant" else f"{tenant}\x1f{model}"
-    return limit.name, who, start_ms
+#: A tenant's buckets: limit key → [request TAT, token TAT] (epoch ms, floats).
+Buckets = MutableMapping[str, list]
 
 
-class RateLimiter:
-    """Checks and counts requests against ``limits`` for each tenant.
+def admit(buckets: Buckets, limits: list[RateLimit], model: str, tokens: int, now_ms: float) -> RateDecision:
+    """Admit and charge every limit, or refuse (charging nothing) naming the limit that waits longest."""
+    charges = []
+    worst: RateDecision | None = None
+    for limit in limits:
+        key = limit_key(limit, model)
+        tat_requests, tat_tokens = buckets.get(key) or (now_ms, now_ms)
+        new_requests, new_tokens = tat_requests, tat_tokens
+        wait = 0.0
+        over = ""
+        if limit.requests:
+            interval = limit.window_ms / limit.requests
+            new_requests = max(tat_requests, now_ms) + interval
+            ahead = new_requests - now_ms - limit.request_burst * interval
+            if ahead > 0:
+                wait, over = ahead, f"{describe(limit)}, burst {limit.request_burst} requests"
+        if limit.tokens:
+            if tokens > limit.tokens_burst:
+                # Never fits: retrying cannot help, so no retry-after.
+                return RateDecision(False, limit.name, 0, f"{tokens} tokens exceed the {limit.tokens_burst}-token "
+                                                           f"burst of {describe(limit)}")
+            interval = limit.window_ms / limit.tokens
+            new_tokens = max(tat_tokens, now_ms) + tokens * interval
+            ahead = new_tokens - now_ms - limit.tokens_burst * interval
+            if ahead > wait:
+                wait, over = ahead, f"{describe(limit)}, burst {limit.tokens_burst} tokens ({tokens} asked)"
+        if over:
+            retry = max(1, int(wait + 0.999))
+            if worst is None or retry > worst.retry_after_ms:
+                worst = RateDecision(False, limit.name, retry, over)
+        charges.append((key, new_requests, new_tokens))
+    if worst is not None:
+        return worst
+    for key, new_requests, new_tokens in charges:
+        buckets[key] = [new_requests, new_tokens]
+    return ADMIT
 
-    ``limits_for(tenant)`` returns the limits of one tenant (per-tenant overrides, else the
-    defaults); counts are kept in ``counts`` (any mutable mapping).
-    """
 
-    def __init__(self, default_limits: list[WindowLimit],
-                 tenant_limits: dict[str, list[WindowLimit]] | None = None,
-                 counts: MutableMapping[str, list[int]] | None = None):
-        self.default_limits = list(default_limits)
-        self.tenant_limits = dict(tenant_limits or {})
-        self.counts: MutableMapping[str, list[int]] = {} if counts is None else counts
-        # A mapping that keeps each limit's counts apart (the gateway's tables) hands out the
-        # part of one limit (``for_limit(name)``): one lookup fewer per limit and decision.
-        self._counts_of: dict[str, MutableMapping] = {}
+def settle(buckets: Buckets, limits: list[RateLimit], model: str, delta_tokens: int, now_ms: float) -> None:
+    """Correct the token buckets by ``delta_tokens`` (used − charged): a refund moves the TAT back,
+    never below now (a bucket cannot be fuller than full); an overrun moves it on."""
+    if not delta_tokens:
+        return
+    for limit in limits:
+        if not limit.tokens:
+            continue
+        entry = buckets.get(limit_key(limit, model))
+        if entry is None:
+            continue
+        moved = entry[1] + delta_tokens * limit.window_ms / limit.tokens
+        entry[1] = moved if delta_tokens > 0 else max(moved, now_ms)
 
-    def limits_for(self, tenant: str) -> list[WindowLimit]:
-        return self.tenant_limits.get(tenant, self.default_limits)
 
-    def admit(self, tenant: str, model: str, tokens: int, now_ms: int) -> RateDecision:
-        """Admit and count, or refuse (counting nothing) with the limit and its retry-after."""
-        limits = self.limits_for(tenant)
-        counted = []  # (counts, key, what it holds now): counted only if every limit has room
-        worst: RateDecision | None = None
-        counts_of = self._counts_of
-        for limit in limits:
-            try:
-                counts = counts_of[limit.name]
-            except KeyError:
-                for_limit = getattr(self.counts, "for_limit", None)
-                counts = counts_of[limit.name] = self.counts if for_limit is None else for_limit(limit.name)
-            window = limit.window_ms
-            start = now_ms - now_ms % window
-            key = (limit.name, tenant if limit.scope == "tenant" else f"{tenant}\x1f{model}", start)
-            used = counts.get(key) or (0, 0)
-            over = None
-            if limit.requests and used[0] + 1 > limit.requests:
-                over = f"{used[0]}/{limit.requests} requests"
-            elif limit.tokens and used[1] + tokens > limit.tokens:
-                if tokens > limit.tokens:
-                    # Never fits: retrying cannot help, so no retry-after.
-                    return RateDecision(False, limit.name, 0,
-                                        f"{tokens} tokens exceed the {limit.tokens}-token limit per window")
-                over = f"{used[1]}+{tokens}/{limit.tokens} tokens"
-            if over is not None:
-                retry = start + limit.window_ms - now_ms
-                if worst is None or retry > worst.retry_after_ms:
-                    worst = RateDecision(False, limit.name, retry, f"{over} in the {limit.window_ms} ms window")
-            counted.append((counts, key, used))
-        if worst is not None:
-            return worst
-        for counts, key, used in counted:
-            counts[key] = [used[0] + 1, used[1] + tokens]
-        return ADMIT
-
-    def expire(self, now_ms: int) -> int:
-        """Drop counters of windows that have ended; returns how many."""
-        longest = {lim.name: lim.window_ms for lims in [self.default_limits, *self.tenant_limits.values()]
-                   for lim in lims}
-        dead = [k for k in list(self.counts) if k[2] + longest.get(k[0], 0) <= now_ms]
-        for k in dead:
-            del self.counts[k]
-        return len(dead)
+def idle(buckets: Buckets, now_ms: float) -> bool:
+    """Whether every bucket is full again (its state can be forgotten without changing anything)."""
+    return all(tat_requests <= now_ms and tat_tokens <= now_ms for tat_requests, tat_tokens in buckets.values())

@@ -96,19 +96,18 @@ def test_the_example_file_documents_every_gateway_default():
 
 
 @pytest.mark.parametrize("toml, key", [
-    ("[gateway.limits.per_second]\nwindow_ms = 0\nrequests = 5", "gateway.limits.per_second"),
-    ("[gateway.limits.per_second]\nwindow_ms = 1000\nburst = 5", "gateway.limits.per_second.burst"),
+    ("[gateway.limits.per_second]\nwindow_ms = 0\nrequests = 5", "gateway.limits.per_second.window_ms"),
+    ("[gateway.limits.per_second]\nwindow_ms = 1000\nburst = 5", "gateway.limits.per_second"),
+    ("[gateway.limits.per_second]\nwindow_ms = 1000\nper = 5", "gateway.limits.per_second.per"),
     ("[gateway.limits]\nper_second = 5", "gateway.limits.per_second"),
     ("[gateway.tenant_limits.acme.s]\nwindow_ms = 1000", "gateway.tenant_limits.acme.s"),
     ("[gateway.queue_caps]\nURGENT = 5", "gateway.queue_caps.URGENT"),
     ("[gateway.tenant_outstanding]\nHIGH = -1", "gateway.tenant_outstanding.HIGH"),
     ("[gateway.tier_offsets]\ngold = 'up'", "gateway.tier_offsets.gold"),
     ("[gateway]\ndemote_floor = 'LOWEST'", "gateway.demote_floor"),
-    ("[gateway]\nprompt_fetch_bands = ['URGENT']", "gateway.prompt_fetch_bands"),
     ("[gateway]\nhigh_load = 0", "gateway.high_load"),
-    ("[gateway]\nstore = 'redis://x'", "gateway.store"),
-    # Faust's rocksdb store reads only the current event's partition: the gateway's reads would miss.
     ("[gateway]\nstore = 'rocksdb://'", "gateway.store"),
+    ("[gateway]\ntarget_queue_ms = 0", "gateway.target_queue_ms"),
     ("[worker]\nsource = 'topics'", "worker.source"),
     ("[gateway]\nsession_timeout_ms = 500", "gateway.session_timeout_ms"),
     ("[gateway]\ninstance_id = \"gw\\t0\"", "gateway.instance_id"),

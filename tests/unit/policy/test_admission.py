@@ -1,19 +1,20 @@
-"""The composed admission decision: order of checks, nothing counted for a refused request."""
+"""The composed admission decision: order of checks, nothing charged for a refused request."""
 
 from __future__ import annotations
 
+from pipeline.config.gateway import RateLimitSettings as Limit
 from pipeline.models import Priority, Request
-from pipeline.policy.admission import Action, Admission, DegradePolicy
+from pipeline.policy.admission import Action, Admission, DegradePolicy, RateLimits
 from pipeline.policy.fairness import FairnessQuotas
 from pipeline.policy.priority import PriorityPolicy
 from pipeline.policy.queues import QueueModel
-from pipeline.policy.ratelimit import RateLimiter, WindowLimit
+from pipeline.policy.state import TenantState
 
 NOW = 1_800_000_000_000
 
 
 def make(limits=None, caps=None, queue_caps=None, degrade=None, max_timeout_ms=600_000):
-    return Admission(PriorityPolicy(), RateLimiter(limits or [WindowLimit("s", 1_000, requests=1000)]),
+    return Admission(PriorityPolicy(), RateLimits(limits or [Limit("s", 1_000, requests=1000)]),
                      FairnessQuotas(caps or {}, floor=Priority.LOW), QueueModel(queue_caps or [0] * 5),
                      degrade or DegradePolicy(), max_timeout_ms=max_timeout_ms)
 
@@ -25,77 +26,96 @@ def req(**kw):
     return Request.new(tenant, base.pop("prompt", "hello"), **base)
 
 
+def draining(adm: Admission, per_s: float, depths=(0, 0, 0, 0, 0), seconds: int = 5) -> None:
+    """Observations of the dispatch topics: ``per_s`` drained and arriving, ``depths`` queued."""
+    for i in range(seconds * 2 + 1):
+        total = int(per_s * i / 2)
+        adm.queues.observe(list(depths), total + sum(depths), total, NOW - seconds * 1000 + i * 500)
+
+
 def test_a_plain_request_is_dispatched_in_its_band_and_counted():
-    adm = make()
-    d = adm.decide(req(), NOW)
+    adm, state = make(), TenantState()
+    d = adm.decide(req(), NOW, state)
     assert d.action is Action.DISPATCH and d.band is Priority.NORMAL and d.position == 1
     assert adm.queues.depth[Priority.NORMAL.rank] == 1
-    assert adm.quotas.outstanding("acme", Priority.NORMAL) == 1
+    assert state.outstanding[Priority.NORMAL.rank] == 1
+    assert d.charged_tokens == 2 + 256  # the prompt's estimate and max_tokens
 
 
 def test_invalid_requests_are_rejected_with_the_reason():
-    d = make().decide(req(tenant=" "), NOW)
+    d = make().decide(req(tenant=" "), NOW, TenantState())
     assert d.action is Action.REJECT and d.reason.startswith("invalid_request")
 
 
 def test_cancelled_and_expired_requests_are_never_dispatched():
-    assert make().decide(req(), NOW, cancelled=True).action is Action.CANCEL
-    d = make().decide(req(created_at=NOW - 61_000), NOW)
+    assert make().decide(req(), NOW, TenantState(), cancelled=True).action is Action.CANCEL
+    d = make().decide(req(created_at=NOW - 61_000), NOW, TenantState())
     assert d.action is Action.EXPIRE and "deadline passed" in d.reason
 
 
 def test_the_server_maximum_shortens_a_longer_client_timeout():
     adm = make(max_timeout_ms=10_000)
-    assert adm.decide(req(created_at=NOW - 11_000, timeout_ms=3_600_000), NOW).action is Action.EXPIRE
+    assert adm.decide(req(created_at=NOW - 11_000, timeout_ms=3_600_000), NOW, TenantState()).action is Action.EXPIRE
 
 
-def test_rate_limited_says_which_limit_and_when_and_counts_nothing_else():
-    adm = make(limits=[WindowLimit("per_second", 1_000, requests=1)])
-    assert adm.decide(req(), NOW).action is Action.DISPATCH
-    d = adm.decide(req(), NOW + 250)
+def test_rate_limited_says_which_limit_and_when_and_charges_nothing_else():
+    adm, state = make(limits=[Limit("per_second", 1_000, requests=1)]), TenantState()
+    assert adm.decide(req(), NOW, state).action is Action.DISPATCH
+    d = adm.decide(req(), NOW + 250, state)
     assert d.action is Action.REJECT and d.reason.startswith("rate_limited: limit per_second")
     assert d.retry_after_ms == 750
     assert adm.queues.depth[Priority.NORMAL.rank] == 1
-    assert adm.quotas.outstanding("acme", Priority.NORMAL) == 1
+    assert state.outstanding[Priority.NORMAL.rank] == 1
 
 
 def test_quota_demotes_then_refuses_with_retry_after():
-    adm = make(caps={"NORMAL": 1, "LOW": 1})
-    assert adm.decide(req(), NOW).band is Priority.NORMAL
-    d = adm.decide(req(), NOW)
+    adm, state = make(caps={"NORMAL": 1, "LOW": 1}), TenantState()
+    assert adm.decide(req(), NOW, state).band is Priority.NORMAL
+    d = adm.decide(req(), NOW, state)
     assert d.band is Priority.LOW and "quota: demoted from NORMAL" in d.notes
-    d = adm.decide(req(), NOW)
+    d = adm.decide(req(), NOW, state)
     assert d.action is Action.REJECT and d.reason.startswith("quota_exceeded") and d.retry_after_ms >= 100
-    assert adm.decide(req(tenant="quiet"), NOW).action is Action.DISPATCH
+    assert adm.decide(req(tenant="quiet"), NOW, TenantState()).action is Action.DISPATCH
 
 
 def test_a_full_band_rejects_queue_full_and_a_rate_limit_is_not_spent():
-    adm = make(queue_caps=[0, 0, 1, 0, 0], limits=[WindowLimit("s", 1_000, requests=2)])
-    assert adm.decide(req(), NOW).action is Action.DISPATCH
-    d = adm.decide(req(), NOW)
+    adm, state = make(queue_caps=[0, 0, 1, 0, 0], limits=[Limit("s", 1_000, requests=2)]), TenantState()
+    assert adm.decide(req(), NOW, state).action is Action.DISPATCH
+    d = adm.decide(req(), NOW, state)
     assert d.action is Action.REJECT and d.reason.startswith("queue_full") and d.retry_after_ms > 0
-    adm.finished("acme", Priority.NORMAL, NOW)
-    assert adm.decide(req(), NOW).action is Action.DISPATCH  # the refused one spent no budget
+    adm.queues.observe([0] * 5, 1, 1, NOW)  # the dispatch topic drained
+    assert adm.decide(req(), NOW, state).action is Action.DISPATCH  # the refused one spent no budget
 
 
 def test_a_deadline_the_queue_cannot_meet_expires_at_once():
     adm = make()
-    for t in range(0, 2_000, 10):  # drains 100/s
-        adm.queues.admitted(Priority.NORMAL.rank, NOW - 2_000 + t)
-        adm.queues.finished(Priority.NORMAL.rank, NOW - 2_000 + t)
-    for _ in range(1_000):  # 10 s of work ahead
-        adm.queues.admitted(Priority.NORMAL.rank, NOW)
-    d = adm.decide(req(timeout_ms=5_000, prompt="x"), NOW)
+    draining(adm, 100, depths=(0, 0, 1_000, 0, 0))  # 10 s of work ahead at 100/s
+    d = adm.decide(req(timeout_ms=5_000, prompt="x"), NOW, TenantState())
     assert d.action is Action.EXPIRE and "cannot be met" in d.reason
 
 
 def test_under_load_a_simple_request_that_allows_it_gets_the_smaller_model():
     adm = make(degrade=DegradePolicy(load=0.5, downgrade={"big": "small"}))
-    for t in range(0, 2_000, 10):
-        adm.queues.admitted(Priority.LOW.rank, NOW - 2_000 + t)
-        adm.queues.admitted(Priority.LOW.rank, NOW - 2_000 + t)  # arrivals at twice the drain
-        adm.queues.finished(Priority.LOW.rank, NOW - 2_000 + t)
-    d = adm.decide(req(model="big", allow_degrade=True, max_tokens=64), NOW)
+    adm.queues.waited(Priority.NORMAL.rank, 5_000, NOW)  # NORMAL's requests wait 5 s
+    d = adm.decide(req(model="big", allow_degrade=True, max_tokens=64), NOW, TenantState())
     assert d.action is Action.DISPATCH and d.model == "small" and d.degraded_from == "big"
-    assert adm.decide(req(model="big", max_tokens=64), NOW).model == "big"  # not allowed
-    assert adm.decide(req(model="big", allow_degrade=True, max_tokens=4096), NOW).model == "big"  # not simple
+    assert adm.decide(req(model="big", max_tokens=64), NOW, TenantState()).model == "big"  # not allowed
+    assert adm.decide(req(model="big", allow_degrade=True, max_tokens=4096), NOW, TenantState()).model == "big"
+
+
+def test_a_background_backlog_is_no_load_for_normal():
+    adm = make(degrade=DegradePolicy(load=0.5, downgrade={"big": "small"}))
+    adm.queues.waited(Priority.BACKGROUND.rank, 60_000, NOW)
+    draining(adm, 100, depths=(0, 0, 0, 0, 50_000))
+    assert adm.decide(req(model="big", allow_degrade=True, max_tokens=64), NOW, TenantState()).model == "big"
+
+
+def test_a_finished_request_frees_its_quota_and_refunds_its_unused_tokens():
+    limits = [Limit("t", 60_000, tokens=1_000)]
+    adm, state = make(limits=limits, caps={"NORMAL": 1, "LOW": 1}), TenantState()
+    d = adm.decide(req(max_tokens=900), NOW, state)
+    assert d.action is Action.DISPATCH
+    assert adm.decide(req(tenant="acme", max_tokens=900), NOW, state).reason.startswith("rate_limited")
+    adm.finished("acme", state, d.band, d.model, d.charged_tokens, 50, NOW)
+    assert state.outstanding == [0] * 5
+    assert adm.decide(req(max_tokens=900), NOW, state).action is Action.DISPATCH

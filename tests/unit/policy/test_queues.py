@@ -1,112 +1,102 @@
-"""Bounded queues: depth, drain rate, position, ETA and retry-after from measured drain."""
+"""Bounded queues: depths and rates from the dispatch topics, position, ETA, retry-after, load."""
 
 from __future__ import annotations
 
 import pytest
 
 from pipeline.models import Priority
-from pipeline.policy.queues import QueueModel, RateMeter
+from pipeline.policy.queues import QueueModel, Rate
 
 NORMAL = Priority.NORMAL.rank
+T0 = 1_800_000_000_000
 
 
-def test_rate_meter_counts_events_per_second_over_its_window():
-    m = RateMeter(window_ms=10_000)
-    for t in range(0, 10_000, 10):  # 100 per second for 10 s
-        m.add(t)
-    assert m.rate(10_000) == pytest.approx(100, rel=0.1)
-    assert m.rate(30_000) == 0.0
+def observed(q: QueueModel, per_s: float, depths=(0, 0, 0, 0, 0), seconds: int = 10, start: float = T0) -> float:
+    """Readings every 0.5 s of a steady drain (and as many arrivals) with ``depths`` queued."""
+    at = start
+    for i in range(seconds * 2 + 1):
+        at = start + i * 500
+        total = int(per_s * (at - T0) / 1000)
+        q.observe(list(depths), total + sum(depths), total, at)
+    return at
 
 
-def test_a_rate_asked_for_again_in_the_same_millisecond_still_counts_what_was_added_in_it():
-    m = RateMeter(window_ms=10_000)
-    m.add(500)
-    first = m.rate(1_000)
-    assert first > 0
-    m.add(1_000, 9)
-    assert m.rate(1_000) == pytest.approx(first * 10)
+def test_a_rate_follows_its_running_total_and_forgets_the_past():
+    r = Rate(tau_ms=1_000)
+    for i in range(21):
+        r.observe(100 * i, T0 + i * 500)  # 200/s
+    assert r.per_s == pytest.approx(200, rel=0.01)
+    for i in range(21, 41):
+        r.observe(100 * 20 + 5 * (i - 20), T0 + i * 500)  # 10/s
+    assert r.per_s == pytest.approx(10, rel=0.05)
 
 
-def test_a_young_meter_is_not_diluted_by_history_it_never_saw():
-    m = RateMeter(window_ms=10_000)
-    for t in range(0, 2_000, 10):
-        m.add(t)
-    assert m.rate(2_000) == pytest.approx(100, rel=0.1)
+def test_totals_that_go_backwards_start_the_rate_over():
+    r = Rate()
+    r.observe(1_000, T0)
+    r.observe(0, T0 + 500)  # the topics were recreated
+    r.observe(100, T0 + 1_000)
+    assert r.per_s > 0
 
 
-def test_position_counts_this_band_and_every_higher_one():
+def test_position_counts_this_band_and_every_higher_one_and_what_was_admitted_here():
     q = QueueModel([0] * 5)
-    for rank in (0, 1, 2, 3, 4, 2):
-        q.admitted(rank, 0)
-    assert q.check(NORMAL, 0).position == 4 + 1
-    assert q.check(0, 0).position == 2
+    q.observe([2, 1, 3, 0, 9], 15, 0, T0)
+    q.admitted(NORMAL)
+    v = q.check(NORMAL)
+    assert not v.full and v.position == 2 + 1 + 4 + 1
+    q.observe([0, 0, 0, 0, 9], 16, 7, T0 + 500)  # a reading replaces what was admitted since the last one
+    assert q.check(NORMAL).position == 1
 
 
 def test_eta_from_the_drain_rate():
     q = QueueModel([0] * 5)
-    for t in range(0, 5_000, 10):  # 100/s admitted and finished
-        q.admitted(NORMAL, t)
-        q.finished(NORMAL, t)
-    for _ in range(50):
-        q.admitted(NORMAL, 5_000)
-    assert q.eta_ms(NORMAL, 5_000) == pytest.approx(500, rel=0.15)
+    observed(q, 100, depths=(0, 0, 50, 0, 0))
+    assert q.eta_ms(NORMAL) == pytest.approx(500, rel=0.05)
+    assert q.eta_ms(Priority.CRITICAL.rank) == 0
 
 
 def test_a_full_band_is_refused_with_retry_after_from_its_drain_rate():
-    q = QueueModel([0, 0, 10, 0, 0])
-    for t in range(0, 5_000, 10):
-        q.admitted(NORMAL, t)
-        q.finished(NORMAL, t)
-    for _ in range(10):
-        q.admitted(NORMAL, 5_000)
-    v = q.check(NORMAL, 5_000)
-    assert v.full and 5 <= v.retry_after_ms <= 100 + 1  # one slot frees in ~10 ms; floor 100 ms
-    assert not q.check(Priority.HIGH.rank, 5_000).full
+    q = QueueModel([0, 0, 100, 0, 0])
+    observed(q, 50, depths=(0, 0, 110, 0, 0))
+    v = q.check(NORMAL)
+    assert v.full and v.retry_after_ms == pytest.approx(11 * 1000 / 50, rel=0.05)
 
 
 def test_without_any_drain_measured_retry_after_is_the_maximum_and_eta_unknown():
-    q = QueueModel([0, 0, 1, 0, 0], max_retry_ms=30_000)
-    q.admitted(NORMAL, 0)
-    v = q.check(NORMAL, 0)
-    assert v.full and v.retry_after_ms == 30_000 and v.eta_ms == float("inf")
+    q = QueueModel([0, 0, 1, 0, 0], max_retry_ms=60_000)
+    q.observe([0, 0, 1, 0, 0], 1, 0, T0)
+    v = q.check(NORMAL)
+    assert v.full and v.retry_after_ms == 60_000 and v.eta_ms == float("inf")
 
 
-def test_load_is_arrivals_over_the_best_drain_rate_seen():
+def test_load_is_how_long_a_band_waits_over_the_target():
+    q = QueueModel([0] * 5, target_queue_ms=2_000)
+    observed(q, 100)
+    assert q.load(NORMAL) == 0
+    q.waited(NORMAL, 3_000, T0)
+    assert q.load(NORMAL) == pytest.approx(1.5)
+    assert q.load(Priority.HIGH.rank) == 0  # another band's wait is not this band's
+
+
+def test_a_deep_queue_counts_by_its_drain_time_and_a_shallow_one_does_not():
+    q = QueueModel([0] * 5, target_queue_ms=2_000, deep=100)
+    observed(q, 1, depths=(0, 0, 10, 0, 0))  # ten in flight at a trickle: no load
+    assert q.load(NORMAL) == 0
+    observed(q, 10, depths=(0, 0, 300, 0, 0), start=T0 + 20_000)  # 30 s of work at 10/s
+    assert q.load(NORMAL) == pytest.approx(10.0)
+
+
+def test_workers_slowing_down_raise_the_load_at_once():
+    q = QueueModel([0] * 5, target_queue_ms=2_000, deep=100)
+    at = observed(q, 90, depths=(0, 0, 120, 0, 0))
+    assert q.load(NORMAL) < 1
+    at = observed(q, 4.5, depths=(0, 0, 300, 0, 0), seconds=10, start=at + 500)
+    assert q.load(NORMAL) > 1
+
+
+def test_a_backlog_that_does_not_drain_is_overload():
     q = QueueModel([0] * 5)
-    for t in range(0, 5_000, 10):
-        q.admitted(NORMAL, t)
-        q.finished(NORMAL, t)
-    assert q.load(5_000) == pytest.approx(1.0, rel=0.15)
-    snap = q.snapshot(5_000)
-    assert snap["bands"]["NORMAL"]["depth"] == 0 and snap["drain_rate_per_s"] > 0
-
-
-def test_a_meter_kept_current_within_its_millisecond_agrees_with_one_recomputed_from_its_counts():
-    kept, recomputed = RateMeter(window_ms=3_000), RateMeter(window_ms=3_000)
-    for t in (0, 0, 7, 999, 1_000, 1_000, 2_500, 2_500, 2_500, 4_100, 4_100):
-        kept.rate(t)  # asked for before each add, as an admission does
-        kept.add(t)
-        recomputed.add(t)
-        recomputed._rate_ms = None  # forget the cache: computed from the counts
-        assert kept.rate(t) == recomputed.rate(t)
-
-
-def test_an_add_in_a_new_bucket_in_the_same_millisecond_as_the_last_rate_starts_that_bucket():
-    m = RateMeter(window_ms=2_000)
-    m.add(999)
-    m.rate(1_000)
-    m.add(1_000)  # the second bucket, though the cached rate is of this millisecond
-    assert [start for start, _ in m._counts] == [0, 1_000]
-    assert m.rate(2_500) == pytest.approx(1 * 1000 / (2_500 - 999))  # the first bucket aged out
-
-
-def test_the_outlook_is_the_drain_rate_and_the_load_and_check_with_it_is_check_without_it():
-    q = QueueModel([0, 0, 3, 0, 0])
-    for t in range(0, 2_000, 20):
-        q.finished(NORMAL, t)
-    for t in range(0, 2_000, 10):
-        q.admitted(NORMAL, t)
-    rate, load = q.outlook(2_000)
-    assert rate == q.drain_rate(2_000) and load == q.load(2_000)
-    assert q.check(NORMAL, 2_000, rate) == q.check(NORMAL, 2_000)
-    assert q.eta_ms(NORMAL, 2_000, rate) == q.eta_ms(NORMAL, 2_000)
+    for i in range(6):
+        q.observe([0, 0, 500, 0, 0], 500 + i, 0, T0 + i * 500)
+    assert q.load(NORMAL) == 10.0

@@ -1,0 +1,120 @@
+"""The band queues as the broker holds them: the dispatch topics' offsets.
+
+Every gateway instance reads the same numbers, so queue caps, positions, ETAs and the load are
+global however many gateways run. Per band: the end offsets of its dispatch partitions minus
+what the workers committed there (the consumer groups that commit on a dispatch topic; a
+partition nobody committed yet counts from its first offset). The sums of end and of committed
+offsets are the arrival and drain totals (:meth:`pipeline.policy.queues.QueueModel.observe`).
+
+The admin calls block, so they run on a thread of their own; each reading is handed to the event
+loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
+
+from pipeline.config import Settings
+from pipeline.models import BANDS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reading:
+    depths: list[int]  # per band rank
+    arrived: int  # sum of end offsets
+    drained: int  # sum of committed offsets
+    at_ms: float
+
+
+class DispatchDepths:
+    """Reads the dispatch topics' depths every ``interval_s`` and calls ``deliver(reading)``."""
+
+    def __init__(self, settings: Settings, deliver: Callable[[Reading], None], interval_s: float = 0.5,
+                 groups_every_s: float = 10.0, timeout_s: float = 5.0):
+        self.topics = {settings.topics.dispatch_topic(p): p.rank for p in BANDS}
+        self.partitions = settings.topics.dispatch_partitions
+        self.deliver = deliver
+        self.interval_s = interval_s
+        self.groups_every_s = groups_every_s
+        self.timeout_s = timeout_s
+        self.admin = AdminClient(settings.kafka.admin_config())
+        self._groups: list[str] = []
+        self._groups_at = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmq-gateway-depths", daemon=True)
+        self._warned = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.deliver(self.read())
+                self._warned = False
+            except (KafkaException, OSError) as exc:
+                if not self._warned:  # once per outage, not every half second
+                    log.warning("cannot read the dispatch topics' depths (%s); queue caps and ETAs use the last "
+                                "reading until it works again", exc)
+                    self._warned = True
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    def read(self) -> Reading:
+        tps = [TopicPartition(t, p) for t in self.topics for p in range(self.partitions)]
+        ends = self._offsets(tps, OffsetSpec.latest())
+        committed = self._committed()
+        missing = [tp for tp in tps if (tp.topic, tp.partition) not in committed]
+        starts = self._offsets(missing, OffsetSpec.earliest()) if missing else {}
+        depths = [0] * len(BANDS)
+        arrived = drained = 0
+        for tp in tps:
+            key = (tp.topic, tp.partition)
+            end = ends.get(key, 0)
+            done = committed.get(key, starts.get(key, 0))
+            depths[self.topics[tp.topic]] += max(0, end - done)
+            arrived += end
+            drained += min(done, end)
+        return Reading(depths, arrived, drained, time.time() * 1000.0)
+
+    def _offsets(self, tps: list[TopicPartition], spec: OffsetSpec) -> dict[tuple[str, int], int]:
+        futures = self.admin.list_offsets({tp: spec for tp in tps}, request_timeout=self.timeout_s)
+        return {(tp.topic, tp.partition): fut.result().offset for tp, fut in futures.items()}
+
+    def _committed(self) -> dict[tuple[str, int], int]:
+        """The furthest commit of any group on each dispatch partition (one pool reads a band)."""
+        now = time.monotonic()
+        if now - self._groups_at > self.groups_every_s:
+            groups = self.admin.list_consumer_groups(request_timeout=self.timeout_s).result()
+            self._groups = sorted(g.group_id for g in groups.valid)
+            self._groups_at = now
+        out: dict[tuple[str, int], int] = {}
+        keep = []
+        for group in self._groups:
+            futures = self.admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)],
+                                                             request_timeout=self.timeout_s)
+            reads_dispatch = False
+            for fut in futures.values():
+                for tp in fut.result().topic_partitions:
+                    if tp.topic in self.topics and tp.offset >= 0:
+                        reads_dispatch = True
+                        key = (tp.topic, tp.partition)
+                        out[key] = max(out.get(key, 0), tp.offset)
+            if reads_dispatch:
+                keep.append(group)
+        if keep or not out:
+            # Only the groups that read the dispatch topics are asked again until the next look.
+            self._groups = keep or self._groups
+        return out

@@ -1,0 +1,44 @@
+"""What the gateway remembers about one tenant between its requests. Pure, no I/O.
+
+One record per tenant: its token buckets (:mod:`pipeline.policy.ratelimit`) and its outstanding
+requests per band (:mod:`pipeline.policy.fairness`). The gateway keeps these records in a Faust
+table keyed by tenant, so each admission changes one record and a restart gets them back from
+the table's changelog; ``to_value``/``from_value`` are the table's JSON form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.models import BANDS
+from pipeline.policy import ratelimit
+
+
+@dataclass
+class TenantState:
+    buckets: dict[str, list] = field(default_factory=dict)
+    outstanding: list[int] = field(default_factory=lambda: [0] * len(BANDS))
+
+    def admitted(self, rank: int) -> None:
+        self.outstanding[rank] += 1
+
+    def finished(self, rank: int) -> None:
+        if self.outstanding[rank] > 0:
+            self.outstanding[rank] -= 1
+
+    def idle(self, now_ms: float) -> bool:
+        """Nothing outstanding and every bucket full: forgetting the record changes nothing."""
+        return not any(self.outstanding) and ratelimit.idle(self.buckets, now_ms)
+
+    def to_value(self) -> dict:
+        return {"b": self.buckets, "o": self.outstanding}
+
+    @classmethod
+    def from_value(cls, value) -> "TenantState":
+        if not isinstance(value, dict):
+            return cls()
+        outstanding = [int(n) for n in value.get("o") or ()][: len(BANDS)]
+        outstanding += [0] * (len(BANDS) - len(outstanding))
+        buckets = {str(k): [float(v[0]), float(v[1])] for k, v in (value.get("b") or {}).items()
+                   if isinstance(v, (list, tuple)) and len(v) == 2}
+        return cls(buckets, outstanding)

@@ -1,0 +1,139 @@
+"""One request in: its decision, its outputs after the state behind them, once per request id."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pipeline.dlq import H_REASON
+from pipeline.models import Priority, Request, Response, Status
+from tests.unit.gateway.conftest import Event
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def handled(gw, *events):
+    for event in events:
+        gw.intake.handle(event)
+    run(gw.checkpoint.round())
+    gw.outputs.deliver()
+    return [(topic, value) for topic, value, *_ in gw.outputs.sent_before]
+
+
+def test_outputs_leave_only_after_the_state_that_explains_them_and_the_request_is_acked_after_delivery(gw):
+    event = gw.request_event(Request.new("acme", "hello", timeout_ms=600_000))
+    gw.intake.handle(event)
+    assert gw.log == [] and gw.tenants_table == {}  # decided, nothing written or sent yet
+    run(gw.checkpoint.round())
+    assert gw.log == ["changelogs flushed", ("sent", gw.settings.topics.dispatch_topic(Priority.NORMAL))]
+    assert list(gw.tenants_table) == [b"acme"] and len(gw.seen_table) == 1
+    assert not event.acked
+    gw.outputs.deliver()
+    assert event.acked
+
+
+def test_a_tenant_sending_many_requests_costs_one_state_record_per_round(gw):
+    handled(gw, *(gw.request_event(Request.new("acme", f"r{i}", timeout_ms=600_000)) for i in range(3)))
+    assert [k for k, _ in gw.tenants_table.writes] == [b"acme"]
+    assert len(gw.seen_table.writes) == 1
+
+
+def test_refusals_are_answered_with_their_reason(gw):
+    sent = handled(gw, *(gw.request_event(Request.new("acme", f"r{i}", timeout_ms=600_000)) for i in range(4)))
+    answers = [gw.codec.decode_response(v) for t, v in sent if t == gw.settings.topics.responses]
+    [limited] = answers
+    assert limited.status is Status.REJECTED and limited.reason.startswith("rate_limited: limit s")
+    assert limited.retry_after_ms > 0
+
+
+def test_undecodable_bytes_and_a_bug_are_dead_lettered_and_the_rest_goes_on(gw, monkeypatch):
+    topic = gw.settings.topics.request_topic(Priority.NORMAL)
+    garbage = Event(topic, 0, 100, b"\xc3\x01garbage")
+    buggy = gw.request_event(Request.new("acme", "boom", timeout_ms=600_000))
+    fine = gw.request_event(Request.new("acme", "fine", timeout_ms=600_000))
+    decide = gw.admission.decide
+
+    def failing(req, *a, **kw):
+        if req.prompt == "boom":
+            raise KeyError("a bug")
+        return decide(req, *a, **kw)
+
+    monkeypatch.setattr(gw.admission, "decide", failing)
+    sent = handled(gw, garbage, buggy, fine)
+    dead = [headers for topic, _, _, headers, _ in gw.outputs.sent_before if topic == gw.settings.topics.dlq]
+    assert [dict(h)[H_REASON] for h in dead] == [b"truncated", b"gateway_error"]
+    assert [t for t, _ in sent].count(gw.settings.topics.dispatch_topic(Priority.NORMAL)) == 1
+    assert garbage.acked and buggy.acked and fine.acked
+
+
+def test_an_id_submitted_again_while_its_first_copy_is_on_its_way_is_dropped(gw):
+    req = Request.new("acme", "once", timeout_ms=600_000)
+    first, again = gw.request_event(req), gw.request_event(req)
+    sent = handled(gw, first, again)
+    assert len(sent) == 1 and first.acked and again.acked
+
+
+def test_an_id_the_gateway_refused_gets_the_same_refusal_again(gw):
+    reqs = [Request.new("acme", f"r{i}", timeout_ms=600_000) for i in range(4)]
+    handled(gw, *(gw.request_event(r) for r in reqs))
+    [again] = handled(gw, gw.request_event(reqs[3]))
+    answer = gw.codec.decode_response(again[1])
+    assert answer.status is Status.REJECTED and answer.reason.startswith("rate_limited")
+
+
+def test_a_request_redelivered_after_a_crash_goes_out_as_it_did_and_is_charged_once(gw):
+    req = Request.new("acme", "again", timeout_ms=600_000)
+    [(_, first)] = handled(gw, gw.request_event(req, offset=7))
+    budget = [list(v) for v in gw.tenants.get("acme").buckets.values()]
+    [(_, second)] = handled(gw, gw.request_event(req, offset=7))  # the same offset: redelivered
+    assert gw.codec.decode_request(second).admitted_at == gw.codec.decode_request(first).admitted_at
+    assert [list(v) for v in gw.tenants.get("acme").buckets.values()] == budget
+    assert gw.tenants.get("acme").outstanding[Priority.NORMAL.rank] == 1
+
+
+def test_after_its_answer_an_id_submitted_again_is_dispatched_as_before(gw):
+    req = Request.new("acme", "done", timeout_ms=600_000)
+    [(_, dispatched)] = handled(gw, gw.request_event(req))
+    completed(gw, gw.codec.decode_request(dispatched))
+    [(topic, again)] = handled(gw, gw.request_event(req))
+    assert topic == gw.settings.topics.dispatch_topic(Priority.NORMAL)
+    assert gw.tenants.get("acme").outstanding == [0] * 5  # not counted again
+
+
+def completed(gw, dispatched: Request, *, used: int = 10, times: int = 1) -> None:
+    resp = Response.for_request(dispatched, Status.COMPLETED, admitted_at=dispatched.admitted_at,
+                                served_priority=dispatched.effective_priority, started_at=dispatched.admitted_at + 5,
+                                prompt_tokens=used // 2, completion_tokens=used - used // 2, output="ok")
+    for _ in range(times):
+        event = Event(gw.settings.topics.responses, 0, 0, gw.codec.encode_response(resp))
+        gw.completions.handle(event)
+    run(gw.checkpoint.round())
+
+
+def test_a_terminal_answer_frees_the_quota_and_settles_the_tokens_once(gw):
+    req = Request.new("acme", "x", timeout_ms=600_000, max_tokens=100)
+    [(_, dispatched)] = handled(gw, gw.request_event(req))
+    state = gw.tenants.get("acme")
+    assert state.outstanding[Priority.NORMAL.rank] == 1
+    completed(gw, gw.codec.decode_request(dispatched), times=2)  # at-least-once: the worker answered twice
+    assert state.outstanding == [0] * 5
+    assert gw.admission.queues.load(Priority.NORMAL.rank) < 0.01  # it waited 5 ms
+
+
+def test_the_ids_seen_and_what_is_in_flight_come_back_from_the_table(gw):
+    req = Request.new("acme", "x", timeout_ms=600_000)
+    finished = Request.new("acme", "y", timeout_ms=600_000)
+    sent = handled(gw, gw.request_event(req), gw.request_event(finished))
+    completed(gw, gw.codec.decode_request(sent[1][1]))
+    gw.seen.load(now_ms=gw.seen.get(req.request_id).at_ms)
+    assert gw.seen.get(req.request_id).in_flight
+    assert not gw.seen.get(finished.request_id).in_flight
+
+
+def test_ids_are_forgotten_past_the_horizon_and_their_records_deleted(gw):
+    req = Request.new("acme", "x", timeout_ms=600_000)
+    handled(gw, gw.request_event(req))
+    at = gw.seen.get(req.request_id).at_ms
+    gw.seen.flush(at + 20_000)
+    assert gw.seen.get(req.request_id) is None and len(gw.seen_table) == 0
