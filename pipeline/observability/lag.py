@@ -1,17 +1,29 @@
 """Consumer lag of llmq's groups: read with the admin API, exported under kafka_exporter's names.
 
 One refresh = one set of admin round trips: list groups, describe them, their committed
-offsets (one request per group: librdkafka's API takes one group per call), the log-end
-offsets of every partition involved (one batched ListOffsets), and for partitions that
-lag, the timestamp of the oldest unconsumed message (one fetch). A background thread
-refreshes every ``interval``; scrapes only read the cached snapshot, so the broker sees
-the same load whatever the scrape rate, and a scrape answers in milliseconds.
+offsets (one request per group: librdkafka's API takes one group per call), the cluster
+metadata (brokers, partitions of every topic involved), the log-end and the oldest offsets
+of those partitions (one batched ListOffsets each), and for partitions that lag, the
+timestamp of the oldest unconsumed message (one fetch). A background thread refreshes
+every ``interval``; scrapes only read the cached snapshot, so the broker sees the same load
+whatever the scrape rate, and a scrape answers in milliseconds.
+
+kafka_exporter's series, same names and labels (Grafana dashboard 7589, Strimzi's rules):
+``kafka_brokers``, ``kafka_topic_partitions{topic}``,
+``kafka_topic_partition_current_offset`` and ``kafka_topic_partition_oldest_offset``
+``{topic,partition}``, ``kafka_consumergroup_current_offset``/``_lag``
+``{consumergroup,topic,partition}``, ``kafka_consumergroup_current_offset_sum``/``_lag_sum``
+``{consumergroup,topic}``, ``kafka_consumergroup_members{consumergroup}``. The topics are
+those of the groups plus the pipeline's own (requests, dispatch, responses, dead letters,
+cancellations), so "messages produced" covers every one of them.
 
 Differences from kafka_exporter, on purpose: lag is clamped at ≥ 0 (end offsets are read
-*after* committed offsets, so a commit racing the read cannot make it negative); a
-partition with data but no committed offset is counted in
-``llmq_consumergroup_uncommitted_partitions`` instead of reporting -1; groups without
-members keep reporting; time lag is exact, from message timestamps, not interpolated.
+*after* committed offsets, so a commit racing the read cannot make it negative) and counts
+only messages still in the log (from the oldest offset on, when retention deleted what a
+group had not read); a partition with data but no committed offset has no
+``current_offset`` series and is counted in ``llmq_consumergroup_uncommitted_partitions``
+instead of reporting -1 (its lag is all of its data); groups without members keep
+reporting; time lag is exact, from message timestamps, not interpolated.
 """
 
 from __future__ import annotations
@@ -67,6 +79,10 @@ class LagSnapshot:
     groups: dict[str, GroupInfo]
     partitions: list[PartitionLag]
     end_offsets: dict[tuple[str, int], int]
+    oldest_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: partitions per exported topic, and brokers, from the cluster metadata
+    topic_partitions: dict[str, int] = field(default_factory=dict)
+    brokers: int = 0
 
     def by_band(self, settings: Settings) -> dict[Priority, dict]:
         """Per priority: unconsumed requests, oldest age, consumers (max over llmq's groups)."""
@@ -116,24 +132,46 @@ class LagReader:
 
     def snapshot(self) -> LagSnapshot:
         started = time.perf_counter()
+        # librdkafka's log lines reach Python logging only when the client is polled.
+        self.admin.poll(0)
         try:
             names = self._groups()
             groups = self._describe(names)
             committed = self._committed(names)
-            self._add_uncommitted(committed, groups)
-            end = self._end_offsets({(t, p) for (_, t, p) in committed})
+            topics, brokers = self._metadata()
+            self._add_uncommitted(committed, groups, topics)
+            exported = {t for (_, t, _) in committed} | (self._pipeline_topics() & topics.keys())
+            # Only partitions the metadata knows: offsets a group once committed on a topic since
+            # deleted must not fail every refresh (they read as an empty log).
+            tps = {(t, p) for t in exported for p in topics.get(t, ())}
+            end = self._end_offsets(tps)
+            oldest = self._list_offsets(tps, OffsetSpec.earliest())
         except KafkaException as exc:
             err = exc.args[0]
             raise KafkaOperationError("read consumer lag", str(err), err if hasattr(err, "retriable") else None) from exc
         partitions = []
         for (group, topic, partition), offset in sorted(committed.items()):
             log_end = end.get((topic, partition), 0)
-            # A group may have committed past a truncated log; lag never goes below zero.
-            lag = max(0, log_end - offset) if offset is not None else max(0, log_end)
+            first = oldest.get((topic, partition), 0)
+            # What is still in the log past the committed offset (or all of it, never committed);
+            # a group may have committed past a truncated log: lag never goes below zero.
+            lag = max(0, log_end - max(first, offset if offset is not None else 0))
             partitions.append(PartitionLag(group, topic, partition, offset, log_end, lag))
         if self.time_lag:
             self._oldest_timestamps([p for p in partitions if p.lag > 0])
-        return LagSnapshot(int(time.time() * 1000), time.perf_counter() - started, groups, partitions, end)
+        return LagSnapshot(int(time.time() * 1000), time.perf_counter() - started, groups, partitions, end,
+                           oldest, {t: len(topics[t]) for t in sorted(exported) if t in topics}, brokers)
+
+    def _pipeline_topics(self) -> set[str]:
+        t = self.settings.topics
+        return {*t.request_topics, *t.dispatch_topics, t.responses, t.dlq, t.cancellations}
+
+    def _metadata(self) -> tuple[dict[str, list[int]], int]:
+        """Partitions of every topic the cluster reports (healthy ones), and its broker count."""
+        self.round_trips += 1
+        md = self.admin.list_topics(timeout=self.request_timeout)
+        topics = {name: sorted(tmd.partitions) for name, tmd in md.topics.items() if tmd.error is None}
+        return topics, len(md.brokers)
 
     def _describe(self, names: list[str]) -> dict[str, GroupInfo]:
         if not names:
@@ -164,34 +202,33 @@ class LagReader:
                     out[(name, tp.topic, tp.partition)] = tp.offset if tp.offset >= 0 else None
         return out
 
-    def _add_uncommitted(self, committed: dict, groups: dict[str, GroupInfo]) -> None:
+    @staticmethod
+    def _add_uncommitted(committed: dict, groups: dict[str, GroupInfo], topics: dict[str, list[int]]) -> None:
         """Partitions of a group's topics it never committed: all their data is lag."""
         topics_of: dict[str, set[str]] = {}
         for (g, t, _) in committed:
             topics_of.setdefault(g, set()).add(t)
         for g, info in groups.items():
             topics_of.setdefault(g, set()).update(info.topic_members)
-        wanted = {t for ts in topics_of.values() for t in ts}
-        if not wanted:
-            return
-        self.round_trips += 1
-        md = self.admin.list_topics(timeout=self.request_timeout).topics
         for g, ts in topics_of.items():
             for t in ts:
-                tmd = md.get(t)
-                for p in (tmd.partitions if tmd is not None and tmd.error is None else ()):
+                for p in topics.get(t, ()):
                     committed.setdefault((g, t, p), None)
 
     def _end_offsets(self, tps: set[tuple[str, int]], attempts: int = 3) -> dict[tuple[str, int], int]:
-        """Log-end offsets. A partition whose leader is moving (a broker restart, a topic just
-        created) is asked again after a short pause rather than failing the whole refresh."""
+        return self._list_offsets(tps, OffsetSpec.latest(), attempts)
+
+    def _list_offsets(self, tps: set[tuple[str, int]], spec, attempts: int = 3) -> dict[tuple[str, int], int]:
+        """Log-end (``OffsetSpec.latest()``) or oldest offsets. A partition whose leader is
+        moving (a broker restart, a topic just created) is asked again after a short pause
+        rather than failing the whole refresh."""
         out: dict[tuple[str, int], int] = {}
         pending = set(tps)
         for attempt in range(attempts):
             if not pending:
                 break
             self.round_trips += 1
-            futures = self.admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in pending},
+            futures = self.admin.list_offsets({TopicPartition(t, p): spec for t, p in pending},
                                               request_timeout=self.request_timeout)
             pending = set()
             for tp, fut in futures.items():
@@ -302,8 +339,16 @@ class LagCollector:
                                     labels=["consumergroup", "topic", "partition"])
         lag_sum = GaugeMetricFamily("kafka_consumergroup_lag_sum", "Unconsumed messages per group and topic.",
                                     labels=["consumergroup", "topic"])
+        current_sum = GaugeMetricFamily("kafka_consumergroup_current_offset_sum",
+                                        "Committed offsets per group and topic, summed over the partitions "
+                                        "committed (its rate: messages consumed per second).",
+                                        labels=["consumergroup", "topic"])
         topic_offset = GaugeMetricFamily("kafka_topic_partition_current_offset", "Log-end offset per partition.",
                                          labels=["topic", "partition"])
+        topic_oldest = GaugeMetricFamily("kafka_topic_partition_oldest_offset",
+                                         "Oldest offset still in the log per partition.", labels=["topic", "partition"])
+        topic_partitions = GaugeMetricFamily("kafka_topic_partitions", "Partitions of each topic.", labels=["topic"])
+        brokers = GaugeMetricFamily("kafka_brokers", "Brokers in the cluster's metadata.")
         members = GaugeMetricFamily("kafka_consumergroup_members", "Members of each consumer group.",
                                     labels=["consumergroup"])
         uncommitted = GaugeMetricFamily("llmq_consumergroup_uncommitted_partitions",
@@ -322,7 +367,9 @@ class LagCollector:
         errors.add_metric([], self.errors)
         if snap is not None:
             refresh.add_metric([], snap.duration_s)
+            brokers.add_metric([], snap.brokers)
             sums: dict[tuple[str, str], int] = {}
+            committed_sums: dict[tuple[str, str], int] = {}
             never: dict[tuple[str, str], int] = {}
             ages: dict[tuple[str, str], float] = {}
             for p in snap.partitions:
@@ -330,6 +377,7 @@ class LagCollector:
                 lag.add_metric(labels, p.lag)
                 if p.committed is not None:
                     current.add_metric(labels, p.committed)
+                    committed_sums[(p.group, p.topic)] = committed_sums.get((p.group, p.topic), 0) + p.committed
                 elif p.end > 0:
                     never[(p.group, p.topic)] = never.get((p.group, p.topic), 0) + 1
                 key = (p.group, p.topic)
@@ -339,16 +387,22 @@ class LagCollector:
                 lag_sum.add_metric([g, t], v)
                 lag_seconds.add_metric([g, t], ages[(g, t)])
                 uncommitted.add_metric([g, t], never.get((g, t), 0))
+            for (g, t), v in sorted(committed_sums.items()):
+                current_sum.add_metric([g, t], v)
             for (t, p), v in sorted(snap.end_offsets.items()):
                 topic_offset.add_metric([t, str(p)], v)
+            for (t, p), v in sorted(snap.oldest_offsets.items()):
+                topic_oldest.add_metric([t, str(p)], v)
+            for t, n in sorted(snap.topic_partitions.items()):
+                topic_partitions.add_metric([t], n)
             for g in snap.groups.values():
                 members.add_metric([g.name], g.members)
             for band, info in snap.by_band(settings).items():
                 depth.add_metric([band.value], info["depth"])
                 oldest.add_metric([band.value], info["oldest_age_s"])
                 consumers.add_metric([band.value], info["consumers"])
-        yield from (lag, current, lag_sum, topic_offset, members, uncommitted, lag_seconds, depth, oldest,
-                    consumers, refresh, errors)
+        yield from (brokers, topic_partitions, topic_offset, topic_oldest, lag, current, lag_sum, current_sum,
+                    members, uncommitted, lag_seconds, depth, oldest, consumers, refresh, errors)
 
 
 def build_registry(collector: LagCollector) -> CollectorRegistry:

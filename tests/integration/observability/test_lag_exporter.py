@@ -64,6 +64,51 @@ def test_lag_matches_offsets_never_negative_and_reports_groups_without_members(s
     assert _samples(build_registry(collector))[("kafka_consumergroup_lag", key(0))] == 0
 
 
+def test_kafka_exporter_topic_broker_and_offset_sum_series_fill_dashboard_7589(settings):
+    bootstrap = settings.kafka.bootstrap
+    high = settings.topics.request_topic(Priority.HIGH)
+    group = f"llmq-{settings.topics.prefix}-parity"
+    _produce(bootstrap, high, 0, 10)
+    _produce(bootstrap, high, 1, 4)
+    _commit(bootstrap, group, {(high, 0): 7, (high, 1): 1})
+    collector = LagCollector(LagReader(settings, group_pattern=f"^{group}$"), interval_s=60)
+    assert collector.refresh()
+    s = _samples(build_registry(collector))
+    assert s[("kafka_brokers", ())] == 1
+    topic = lambda t: (("topic", t),)  # noqa: E731
+    assert s[("kafka_topic_partitions", topic(high))] == settings.topics.request_partitions
+    # The pipeline's own topics, consumed or not ("messages produced per second" for each).
+    assert s[("kafka_topic_partitions", topic(settings.topics.responses))] == settings.topics.response_partitions
+    assert s[("kafka_topic_partitions", topic(settings.topics.dlq))] == settings.topics.dlq_partitions
+    assert ("kafka_topic_partition_current_offset", (("partition", "0"), ("topic", settings.topics.dlq))) in s
+    part = lambda p: (("partition", str(p)), ("topic", high))  # noqa: E731
+    assert [s[("kafka_topic_partition_oldest_offset", part(p))] for p in range(3)] == [0, 0, 0]
+    g = ("consumergroup", group)
+    assert s[("kafka_consumergroup_current_offset_sum", (g, ("topic", high)))] == 8
+
+    # What retention (here: a records deletion) removed is neither oldest offset nor lag any more.
+    admin = AdminClient(settings.kafka.admin_config())
+    for fut in admin.delete_records([TopicPartition(high, 1, 3)]).values():
+        fut.result(30)
+    _commit(bootstrap, group, {(high, 0): 9})
+    assert collector.refresh()
+    s = _samples(build_registry(collector))
+    assert s[("kafka_topic_partition_oldest_offset", part(1))] == 3
+    assert s[("kafka_consumergroup_lag", (g, *part(1)))] == 1  # committed 1, deleted up to 3, end 4
+    assert s[("kafka_consumergroup_current_offset_sum", (g, ("topic", high)))] == 10
+    assert s[("kafka_consumergroup_lag_sum", (g, ("topic", high)))] == 1 + 1
+
+    # And as Prometheus reads them: kafka_exporter's names, typed gauges.
+    port = free_port()
+    serve(build_registry(collector), port)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for name in ("kafka_brokers", "kafka_topic_partitions", "kafka_topic_partition_oldest_offset",
+                 "kafka_consumergroup_current_offset_sum"):
+        assert f"# TYPE {name} gauge" in body, name
+    assert "kafka_brokers 1.0" in body
+    assert f'kafka_consumergroup_current_offset_sum{{consumergroup="{group}",topic="{high}"}} 10.0' in body
+
+
 def test_time_lag_is_the_age_of_the_oldest_unconsumed_message(settings):
     bootstrap = settings.kafka.bootstrap
     low = settings.topics.request_topic(Priority.LOW)
