@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from pipeline.worker.loop import _bounded_call, _CallHung
+from pipeline.worker.checkpoint import CallHung, bounded_call
 
 
 def test_returns_the_value_of_a_prompt_call():
-    assert _bounded_call(lambda: 42, 1.0) == 42
+    assert bounded_call(lambda: 42, 1.0) == 42
 
 
 def test_reraises_the_calls_own_error_on_the_caller_thread():
@@ -19,14 +19,14 @@ def test_reraises_the_calls_own_error_on_the_caller_thread():
         raise ValueError("broker said no")
 
     with pytest.raises(ValueError, match="broker said no"):
-        _bounded_call(fails, 1.0)
+        bounded_call(fails, 1.0)
 
 
 def test_a_call_that_never_returns_is_reported_not_waited_for():
     release = threading.Event()
     t0 = time.monotonic()
-    with pytest.raises(_CallHung):
-        _bounded_call(release.wait, 0.1)
+    with pytest.raises(CallHung):
+        bounded_call(release.wait, 0.1)
     assert time.monotonic() - t0 < 5
     release.set()
 
@@ -34,17 +34,17 @@ def test_a_call_that_never_returns_is_reported_not_waited_for():
 def test_the_worker_stops_with_an_error_once_too_many_producers_are_abandoned(monkeypatch):
     from pipeline.config import Settings
     from pipeline.errors import KafkaOperationError
-    from pipeline.worker import loop
+    from pipeline.worker import checkpoint, loop
     from pipeline.worker.backends.simulated import SimulatedBackend
 
-    monkeypatch.setattr(loop, "_ABANDONED_PRODUCERS", [])
+    monkeypatch.setattr(checkpoint, "_ABANDONED_PRODUCERS", [])
     settings = Settings.load(env={})
     settings.worker.delivery = "exactly-once"
     worker = loop.Worker(settings, SimulatedBackend(), worker_id="stuck-txn")
-    for n in range(1, loop.MAX_ABANDONED_PRODUCERS + 1):
+    for n in range(1, checkpoint.MAX_ABANDONED_PRODUCERS + 1):
         worker.producer = object()  # stands in for a producer stuck in send_offsets_to_transaction
-        worker._abandon_producer("the transaction commit")
-        assert worker.producer is None and worker._restart
-        assert (worker._fatal is None) == (n < loop.MAX_ABANDONED_PRODUCERS)
-    assert isinstance(worker._fatal, KafkaOperationError)
-    assert "3 producers abandoned" in str(worker._fatal)
+        worker.checkpoint.abandon_producer("the transaction commit")
+        assert worker.producer is None and worker.session.restart
+        assert (worker.session.fatal is None) == (n < checkpoint.MAX_ABANDONED_PRODUCERS)
+    assert isinstance(worker.session.fatal, KafkaOperationError)
+    assert "3 producers abandoned" in str(worker.session.fatal)

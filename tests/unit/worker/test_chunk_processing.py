@@ -8,12 +8,26 @@ from __future__ import annotations
 
 import asyncio
 
+from pipeline.config import Settings
 from pipeline.models import Priority, Request, Status, now_ms
 from pipeline.serde import Codec
 from pipeline.testing import FakeMessage
-from tests.unit.worker.test_admission_fuzz import make_worker
+from pipeline.worker.backends.simulated import SimulatedBackend
+from pipeline.worker.loop import Worker
+from tests.unit.worker.test_admission_fuzz import LIMITS, FakeProducer
 
 CODEC = Codec.default()
+
+
+def make_worker(**worker) -> Worker:
+    s = Settings.load(env={})
+    for name, value in LIMITS.items():
+        setattr(s.serde, name, value)
+    for name, value in worker.items():
+        setattr(s.worker, name, value)
+    w = Worker(s, SimulatedBackend(), worker_id="chunk-worker")
+    w.producer = FakeProducer()
+    return w
 
 
 def _msg(worker, offset: int, req: Request | bytes) -> FakeMessage:
@@ -68,7 +82,7 @@ def test_a_chunk_never_starts_more_backend_calls_than_free_slots():
         assert worker._dispatch() == 3
         assert len(worker._tasks) == 3
         assert worker._dispatch() == 0  # full: the rest wait in the band's queue
-        assert worker._backlog[Priority.NORMAL.rank].size == 7
+        assert worker.scheduler.queues[Priority.NORMAL.rank].size == 7
         for task in worker._tasks.values():
             task.cancel()
         await asyncio.gather(*worker._tasks.values(), return_exceptions=True)
@@ -77,13 +91,12 @@ def test_a_chunk_never_starts_more_backend_calls_than_free_slots():
 
 
 def test_exactly_once_outcomes_wait_for_the_commit_in_offset_order():
-    worker = make_worker()
-    worker.exactly_once = True
+    worker = make_worker(delivery="exactly-once")
     reqs = [Request.new(f"tenant-{i}", "hi", priority=Priority.NORMAL) for i in range(4)]
     _take_all(worker, [_msg(worker, i, r) for i, r in enumerate(reqs)])
     worker._dispatch()
     assert worker.producer.sent == []  # published only inside the commit's transaction
-    ready = worker._ready[(worker.settings.topics.request_topic(Priority.NORMAL), 0)]
+    ready = worker.checkpoint.ready[(worker.settings.topics.request_topic(Priority.NORMAL), 0)]
     assert sorted(ready) == [0, 1, 2, 3]
     assert [CODEC.decode_response(ready[o][1]).request_id for o in sorted(ready)] == [r.request_id for r in reqs]
 

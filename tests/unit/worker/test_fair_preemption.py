@@ -56,7 +56,7 @@ def test_a_quiet_tenant_takes_the_slot_of_a_tenant_holding_every_slot_and_the_ca
         assert worker.stats.preempted == worker.stats.preempted_in_band == 1
         assert worker.metrics.preemptions.labels("NORMAL").value == 1
         # The flooder's request waits behind the one it made way for, and runs when a slot frees.
-        assert worker._backlog[NORMAL.rank].size == 1
+        assert worker.scheduler.queues[NORMAL.rank].size == 1
         backend.release(quiet.request_id)
         await settle()
         assert worker._dispatch() == 1
@@ -70,8 +70,8 @@ def test_a_quiet_tenant_takes_the_slot_of_a_tenant_holding_every_slot_and_the_ca
         assert all(r.status is Status.COMPLETED for r in got)  # one answer each
         flooder_tp = (worker.settings.topics.request_topic(NORMAL), 1)
         assert dict(worker.tracker.to_commit()).get(flooder_tp) == 2
-        assert not worker._tasks and not worker._by_tenant and not worker._tenant_of_call
-        assert worker._crowded == 0
+        assert not worker._tasks and not worker.scheduler.by_tenant and not worker.scheduler.tenant_of_call
+        assert worker.scheduler.crowded == 0
 
     asyncio.run(run())
 
@@ -85,7 +85,7 @@ def test_the_preempted_call_does_not_jump_ahead_of_the_request_it_made_way_for()
         worker._dispatch()
         await settle()
         assert worker.backend.calls[-1] == quiet.request_id
-        assert worker._crowded == 0  # the flooder runs one call now, the quiet tenant one
+        assert worker.scheduler.crowded == 0  # the flooder runs one call now, the quiet tenant one
         await stop_all(worker)
 
     asyncio.run(run())
@@ -167,9 +167,9 @@ def test_a_request_is_preempted_for_fairness_at_most_max_preemptions_times():
 def test_revoking_a_partition_forgets_its_tenants_calls():
     async def run():
         worker, _, _, _ = await flooder_in_every_slot()
-        assert worker._crowded == 1
-        worker._drop_queued({(worker.settings.topics.request_topic(NORMAL), 1)})
-        assert worker._crowded == 0 and not worker._by_tenant and not worker._tenant_of_call
+        assert worker.scheduler.crowded == 1
+        worker.scheduler.drop({(worker.settings.topics.request_topic(NORMAL), 1)})
+        assert worker.scheduler.crowded == 0 and not worker.scheduler.by_tenant and not worker.scheduler.tenant_of_call
         await stop_all(worker)
 
     asyncio.run(run())

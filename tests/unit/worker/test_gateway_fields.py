@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.errors import BackendError
 from pipeline.models import Priority, Request, Response, Status, now_ms
-from pipeline.serde import Codec, fastpath
+from pipeline.serde import Codec
 from pipeline.testing import FakeMessage
 from pipeline.worker.backends.base import Completion
 from pipeline.worker.backends.simulated import SimulatedBackend
@@ -145,16 +145,10 @@ def test_the_too_large_fallback_keeps_the_gateway_fields():
     _assert_gateway_fields(resp)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-codec", "python-codec"])
-def test_completed_response_has_every_field_in_place(native, monkeypatch):
-    # The hot path encodes the response from a tuple of its fields; with or without the
-    # native codec, every field must land where a keyword-built Response puts it.
-    if native and not fastpath.native_available():
-        pytest.skip("the C extension was not built")
-    if not native:
-        monkeypatch.setenv("LLMQ_NATIVE_CODEC", "0")
+def test_completed_response_has_every_field_in_place():
+    # The hot path encodes the response from a tuple of its fields: every field must land
+    # where a keyword-built Response puts it.
     worker = make_worker()
-    assert (worker.codec._fast_response_values is not None) == native
     req = _gateway_request(metadata={"ignored": "by the worker"})
     resp = _run(worker, req)
     answer = SimulatedBackend()._answer(req)
@@ -181,9 +175,9 @@ def test_completed_response_over_the_caps_is_answered_failed():
 
 def test_duplicate_ids_are_remembered_for_the_dedupe_window_only():
     worker = make_worker()
-    worker._seen_max = 3
+    worker.processor._seen_max = 3
     ids = [f"id-{i}" for i in range(5)]
-    assert all(worker._duplicate(i) is None for i in ids)
-    assert worker._duplicate("id-4").startswith("duplicate_request_id")  # within the window
-    assert worker._duplicate("id-0") is None  # pushed out by newer ids: taken again
-    assert len(worker._seen) == len(worker._seen_order) == 3
+    assert all(worker.processor.duplicate(i) is None for i in ids)
+    assert worker.processor.duplicate("id-4").startswith("duplicate_request_id")  # within the window
+    assert worker.processor.duplicate("id-0") is None  # pushed out by newer ids: taken again
+    assert len(worker.processor._seen) == len(worker.processor._seen_order) == 3

@@ -92,7 +92,7 @@ def assert_nothing_preempted(worker: Worker, running: list[Priority], waiting: l
         assert worker._dispatch() == len(running)
         await settle()
         if preemptible_running is not None:
-            assert len(worker._victims) == preemptible_running
+            assert len(worker.scheduler.victims) == preemptible_running
         for band in waiting:
             feed.take(band)
         assert worker._dispatch() == 0
@@ -121,7 +121,7 @@ def test_a_critical_request_takes_the_slot_of_the_latest_background_call_which_r
         assert worker.metrics.preemptions.labels("BACKGROUND").value == 1
         # Its offset holds the partition's commits back while it waits to run again.
         background_tp = (worker.settings.topics.request_topic(Priority.BACKGROUND), 0)
-        assert worker._backlog[Priority.BACKGROUND.rank].size == 1
+        assert worker.scheduler.queues[Priority.BACKGROUND.rank].size == 1
         backend.release(urgent.request_id)
         backend.release(first.request_id)
         await settle()
@@ -134,7 +134,7 @@ def test_a_critical_request_takes_the_slot_of_the_latest_background_call_which_r
         assert [r.request_id for r in got] == [urgent.request_id, first.request_id, second.request_id]
         assert all(r.status == Status.COMPLETED for r in got)  # one answer each, no duplicate rejection
         assert dict(worker.tracker.to_commit()).get(background_tp) == 2
-        assert not worker._tasks and not worker._victims and not worker._preempt_counts
+        assert not worker._tasks and not worker.scheduler.victims and not worker.scheduler.preempt_counts
         assert worker.stats.consumed == 3
         waits = worker.metrics.queue_wait.labels("BACKGROUND")
         assert sum(waits.counts) == 2  # the preempted request's wait observed once, at its first start
@@ -185,13 +185,13 @@ def test_no_preemption_when_the_lower_band_is_owed_its_minimum_share():
     worker = make_worker(max_inflight=1)
     # The recent dispatches were all CRITICAL: BACKGROUND is below its 5 % minimum share, so the
     # scheduler serves it next, and a waiting CRITICAL request does not cancel it.
-    worker._scheduler.record_many(Priority.CRITICAL.rank, 100)
+    worker.scheduler.bands.record_many(Priority.CRITICAL.rank, 100)
     assert_nothing_preempted(worker, [Priority.BACKGROUND], [Priority.CRITICAL, Priority.BACKGROUND])
 
 
 def test_a_call_started_on_its_bands_minimum_share_is_not_preempted_afterwards():
     worker = make_worker(max_inflight=2)
-    worker._scheduler.record_many(Priority.CRITICAL.rank, 100)
+    worker.scheduler.bands.record_many(Priority.CRITICAL.rank, 100)
     # BACKGROUND starts first (owed its share), then CRITICAL; another CRITICAL then waits.
     assert_nothing_preempted(worker, [Priority.CRITICAL, Priority.BACKGROUND], [Priority.CRITICAL],
                              preemptible_running=0)
@@ -210,9 +210,9 @@ def test_revoking_a_partition_forgets_its_preemptible_calls():
         feed.take(Priority.BACKGROUND)
         worker._dispatch()
         await settle()
-        assert worker._victims
-        worker._drop_queued({(worker.settings.topics.request_topic(Priority.BACKGROUND), 0)})
-        assert not worker._victims
+        assert worker.scheduler.victims
+        worker.scheduler.drop({(worker.settings.topics.request_topic(Priority.BACKGROUND), 0)})
+        assert not worker.scheduler.victims
         for task in worker._tasks.values():
             task.cancel()
         await settle()
@@ -246,4 +246,4 @@ def test_appendleft_puts_an_item_back_first_in_line():
                                                ("background", set()), ("realtime", set())])
 def test_only_bands_below_one_the_pool_consumes_are_preemptible(pool, preemptible):
     worker = make_worker(pool=pool)
-    assert {p.value for p in Priority if p.rank in worker._preemptible} == preemptible
+    assert {p.value for p in Priority if p.rank in worker.scheduler.preemptible} == preemptible

@@ -42,14 +42,14 @@ def test_a_partition_that_comes_back_after_it_was_resumed_is_resumed():
     low = worker.settings.topics.request_topic(Priority.LOW)
     tp = TopicPartition(low, 0)
     worker.consumer.assigned = [tp]
-    worker._set_paused((low, 0), True)
+    worker.flow.set_paused((low, 0), True)
     assert worker.consumer.paused == {(low, 0)}
     # lost in a rebalance; meanwhile its queue drained and it was resumed
     worker.consumer.assigned = []
-    worker._set_paused((low, 0), False)
+    worker.flow.set_paused((low, 0), False)
     # assigned again: librdkafka still has it paused
     worker.consumer.assigned = [tp]
-    worker._reapply_pauses()
+    worker.flow.reapply()
     assert worker.consumer.paused == set()
 
 
@@ -57,9 +57,9 @@ def test_a_partition_paused_for_its_full_queue_is_paused_again_when_assigned():
     worker = _worker()
     bg = worker.settings.topics.request_topic(Priority.BACKGROUND)
     crit = worker.settings.topics.request_topic(Priority.CRITICAL)
-    worker._paused_parts.add((bg, 1))
+    worker.flow.paused_parts.add((bg, 1))
     worker.consumer.assigned = [TopicPartition(bg, 1), TopicPartition(crit, 1)]
-    worker._reapply_pauses()
+    worker.flow.reapply()
     assert worker.consumer.paused == {(bg, 1)}
 
 
@@ -71,12 +71,12 @@ def test_exactly_once_outcomes_of_a_lost_or_revoked_partition_are_dropped_not_pu
         worker.tracker.started(tp, 10)
         worker.tracker.started(tp, 11)
         # offset 11 finished before 10: held back, not yet in any transaction
-        worker._emit(tp, 11, worker.responses_topic, b"answer", b"tenant", None)
-    assert set(worker._ready) == {lost, revoked}
+        worker.responder.emit(tp, 11, worker.responses_topic, b"answer", b"tenant", None)
+    assert set(worker.checkpoint.ready) == {lost, revoked}
     worker._on_lost(worker.consumer, [TopicPartition(*lost)])
-    worker._restart = True  # no transaction in this test: the revoke path commits nothing
+    worker.session.restart = True  # no transaction in this test: the revoke path commits nothing
     worker._on_revoke(worker.consumer, [TopicPartition(*revoked)])
-    assert worker._ready == {}
+    assert worker.checkpoint.ready == {}
 
 
 class FakeMessage:
@@ -98,9 +98,9 @@ class FakeMessage:
 
 def _take_a_deep_fetch(worker, topic):
     worker.consumer.assigned = [TopicPartition(topic, 0)]
-    for offset in range(worker._backlog_cap + 10):
+    for offset in range(worker.scheduler.cap + 10):
         worker._take(FakeMessage(topic, 0, offset))
-    return worker._backlog[Priority.BACKGROUND.rank]
+    return worker.scheduler.queues[Priority.BACKGROUND.rank]
 
 
 def test_a_partition_whose_deep_fetch_is_started_at_once_stays_unpaused():
@@ -110,7 +110,7 @@ def test_a_partition_whose_deep_fetch_is_started_at_once_stays_unpaused():
     queue = _take_a_deep_fetch(worker, topic)
     while queue:
         queue.popleft()  # what dispatch does when the backend answers at once
-    worker._pause_deep()
+    worker.flow.pause_deep()
     assert worker.consumer.paused == set()
 
 
@@ -118,9 +118,9 @@ def test_a_partition_whose_queue_is_still_full_after_dispatch_is_paused_and_resu
     worker = _worker()
     topic = worker.settings.topics.request_topic(Priority.BACKGROUND)
     queue = _take_a_deep_fetch(worker, topic)
-    worker._pause_deep()
+    worker.flow.pause_deep()
     assert worker.consumer.paused == {(topic, 0)}
-    while len(queue) > worker._backlog_cap // 2:
+    while len(queue) > worker.scheduler.cap // 2:
         queue.popleft()
-    worker._resume_drained()
+    worker.flow.resume_drained()
     assert worker.consumer.paused == set()

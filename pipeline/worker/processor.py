@@ -1,0 +1,260 @@
+"""What becomes of taken requests: decode, checks, the backend, the answer.
+
+A chunk of requests goes through each stage in turn, the whole chunk at a time: each stage's
+code and data stay warm in the CPU's caches, which makes a stage-by-stage pass markedly
+cheaper than message by message. Its answers still leave in message order. A backend call
+that does not answer at once (``complete_now``) runs as a task, answered when it ends; the
+loop never waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections import deque
+
+from pipeline.config import WorkerSettings
+from pipeline.errors import DecodeError
+from pipeline.models import Request
+from pipeline.observability.metrics import WorkerMetrics
+from pipeline.policy.validation import validate_request
+from pipeline.serde import Codec
+from pipeline.worker.backends.base import Backend
+from pipeline.worker.flow import Flow
+from pipeline.worker.responder import Responder
+from pipeline.worker.scheduler import Scheduler
+from pipeline.worker.state import Session, WorkerStats
+
+log = logging.getLogger(__name__)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Processor:
+    def __init__(self, cfg: WorkerSettings, backend: Backend, codec: Codec, session: Session, responder: Responder,
+                 scheduler: Scheduler, flow: Flow, stats: WorkerStats, metrics: WorkerMetrics):
+        self.cfg = cfg
+        self.backend = backend
+        self.codec = codec
+        self.session = session
+        self.responder = responder
+        self.scheduler = scheduler
+        self.flow = flow
+        self.stats = stats
+        self.metrics = metrics
+        #: The backend calls running now: (tp, offset) → task.
+        self.tasks: dict[tuple[tuple[str, int], int], asyncio.Task] = {}
+        self._task_of: dict[str, tuple] = {}  # request id → key in tasks
+        self._cancel_requested: set[tuple] = set()
+        self._preempted: set[asyncio.Task] = set()
+        # Request ids answered recently by this worker: a re-submitted id is answered once.
+        self._seen: set[str] = set()
+        self._seen_order: deque[str] = deque()  # the same ids, oldest first (cheaper than an OrderedDict)
+        self._seen_max = cfg.dedupe_window
+
+    def reset(self) -> None:
+        self.tasks.clear()
+        self._task_of.clear()
+        self._preempted.clear()
+        self.forget_seen()
+
+    def forget_seen(self) -> None:
+        self._seen.clear()
+        self._seen_order.clear()
+
+    # -- a chunk ---------------------------------------------------------------------------
+
+    def process(self, msgs: list) -> None:
+        """Run taken messages through decoding, checks, the backend and the answer, one stage
+        at a time over the whole chunk.
+
+        Every message still ends in exactly one outcome: a dead letter, a rejection,
+        CANCELLED, EXPIRED, a COMPLETED answer (``complete_now``), or a backend task.
+        """
+        stats, responder = self.stats, self.responder
+        if not stats.consumed:
+            stats.first_consumed_at = time.perf_counter()
+        stats.consumed += len(msgs)
+        decode = self.codec.decode_request
+        decoded = []
+        for msg in msgs:
+            value = msg.value()
+            try:
+                if not value:
+                    raise DecodeError("empty", "message has no value (empty or tombstone)")
+                decoded.append((msg, decode(value)))
+            except DecodeError as exc:
+                responder.dead_letter(msg, (msg.topic(), msg.partition()), msg.offset(), exc.reason, str(exc))
+        started = _now_ms()
+        cancellations = self.session.cancellations
+        duplicate, partial = self.duplicate, functools.partial
+        # Answers go out in message order (a client waiting on a re-submitted id must see the
+        # first submission's answer first): message by message, either a deferred answer
+        # (a callable) or [msg, request, answer, its index] whose answer the backend stage
+        # fills in (or replaces by a FAILED one).
+        outcomes: list = []
+        runnable = []
+        for msg, request in decoded:
+            invalid = validate_request(request, started)
+            if invalid is None:
+                invalid = duplicate(request.request_id)
+            if invalid is not None:
+                outcomes.append(partial(responder.reject, (msg.topic(), msg.partition()), msg.offset(), request,
+                                        invalid))
+                continue
+            if cancellations is not None:
+                cancelled = cancellations.reason(request.request_id)
+                if cancelled is not None:
+                    outcomes.append(partial(responder.cancelled, (msg.topic(), msg.partition()), msg.offset(),
+                                            request, started, cancelled))
+                    continue
+            if request.created_at + request.timeout_ms <= started:
+                outcomes.append(partial(responder.expire, (msg.topic(), msg.partition()), msg.offset(), request,
+                                        started))
+                continue
+            entry = [msg, request, None, len(outcomes)]
+            outcomes.append(entry)
+            runnable.append(entry)
+        done = []
+        if runnable:
+            self._run(runnable, outcomes, done, started)
+        if len(done) == len(outcomes):
+            if done:
+                responder.completed_many(done, started)
+        else:
+            self._respond_in_order(outcomes, started)
+
+    def _run(self, runnable: list, outcomes: list, done: list, started: int) -> None:
+        """The backend stage: an answer now, or a call that runs as a task."""
+        counts = self.scheduler.preempt_counts
+        # A preempted request's wait was observed when it first started: once per request.
+        self.metrics.waited_many([e for e in runnable if ((e[0].topic(), e[0].partition()), e[0].offset())
+                                  not in counts] if counts else runnable, started)
+        backend = self.backend
+        complete_now, call_started = backend.complete_now, self.scheduler.call_started
+        create_task = None  # a loop is running only if some call does not answer at once
+        for entry in runnable:
+            msg, request = entry[0], entry[1]
+            tp, offset = (msg.topic(), msg.partition()), msg.offset()
+            try:
+                completion = complete_now(request)
+            except Exception as exc:  # answered FAILED in its place, like a failed backend call
+                outcomes[entry[3]] = functools.partial(self.responder.backend_failed, tp, offset, request, started,
+                                                       exc, backend.name)
+                continue
+            if completion is not None:
+                entry[2] = item = (tp, offset, request, completion)
+                done.append(item)
+                continue
+            if create_task is None:
+                create_task = asyncio.get_running_loop().create_task
+            key = (tp, offset)
+            self.tasks[key] = task = create_task(self._call(tp, offset, request, started))
+            self._task_of[request.request_id] = key
+            call_started(key, msg, task, request.request_id)
+
+    def _respond_in_order(self, outcomes: list, started: int) -> None:
+        """The chunk's answers in message order: the deferred ones called, the runs of
+        completed ones between them answered together."""
+        completed_many = self.responder.completed_many
+        run: list = []
+        for item in outcomes:
+            if callable(item):
+                if run:
+                    completed_many(run, started)
+                    run = []
+                item()
+            elif item[2] is not None:
+                run.append(item[2])
+        if run:
+            completed_many(run, started)
+
+    def duplicate(self, request_id: str) -> str | None:
+        seen = self._seen
+        if request_id in seen:
+            return ("duplicate_request_id: this request id was already taken by this worker; the first "
+                    "submission is answered")
+        seen.add(request_id)
+        order = self._seen_order
+        order.append(request_id)
+        if len(order) > self._seen_max:
+            seen.discard(order.popleft())
+        return None
+
+    # -- backend calls -----------------------------------------------------------------------
+
+    async def _call(self, tp, offset: int, request: Request, started: int) -> None:
+        self.metrics.inflight_child.inc()
+        t0 = time.perf_counter()
+        key = (tp, offset)
+        try:
+            completion = await self.backend.complete(request)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me in self._preempted:  # back in its queue (preempted): no answer now
+                self._preempted.discard(me)
+                return
+            if key in self._cancel_requested:  # the client cancelled it: answer that
+                self._cancel_requested.discard(key)
+                self.responder.cancelled(tp, offset, request, started,
+                                         self.session.cancellations.reason(request.request_id) or "cancelled")
+                return
+            # Handed back (shutdown or revocation): the offset stays uncommitted, so the
+            # partition's next owner runs the request.
+            raise
+        except Exception as exc:  # a backend bug must not lose the request
+            self.responder.backend_failed(tp, offset, request, started, exc, self.backend.name)
+        else:
+            self.responder.completed_many([(tp, offset, request, completion)], started, time.perf_counter() - t0)
+        finally:
+            self.metrics.inflight_child.dec()
+            me = asyncio.current_task()
+            # A preempted call's key may already belong to its next run.
+            if self.tasks.get(key) is me:
+                del self.tasks[key]
+                if self._task_of.get(request.request_id) == key:
+                    del self._task_of[request.request_id]
+                self.scheduler.call_ended(key, me)
+            self.flow.slot_freed()
+
+    def cancel(self, request_id: str) -> None:
+        """The client cancelled ``request_id``: if its call is running, stop it and answer CANCELLED."""
+        key = self._task_of.get(request_id)
+        task = self.tasks.get(key) if key is not None else None
+        if task is not None and not task.done():
+            self._cancel_requested.add(key)
+            task.cancel()
+
+    def preempt(self) -> bool:
+        """Every slot is busy: give one running call's slot to a waiting request of a higher band
+        (or of a tenant crowded out of its band). The call's message is back in its queue; it is
+        answered once, when it runs again."""
+        victim = self.scheduler.preempt()
+        if victim is None:
+            return False
+        key, task, request_id = victim
+        self.tasks.pop(key, None)
+        self._preempted.add(task)
+        task.cancel()
+        # It is taken again when it runs again: not a second request, not a duplicate id.
+        self.stats.consumed -= 1
+        self._task_of.pop(request_id, None)
+        self._seen.discard(request_id)
+        return True
+
+    def hand_back(self, partitions: set) -> None:
+        """Cancel the calls of ``partitions`` without an answer: their offsets stay uncommitted."""
+        for key, task in list(self.tasks.items()):
+            if key[0] in partitions:
+                task.cancel()
+                self.tasks.pop(key, None)
+
+    async def stop_all(self) -> None:
+        """Cancel every running call and wait for them: what is unanswered is handed back."""
+        for task in list(self.tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)

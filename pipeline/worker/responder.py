@@ -1,0 +1,227 @@
+"""Publishing outcomes: every taken message ends in exactly one response or dead letter.
+
+At-least-once, an outcome is produced at once and its offset finishes when the broker
+acknowledges it; a message the broker refuses is published again (made smaller if it was too
+large), and a fatal producer error stops the worker. Exactly-once, outcomes are handed to the
+checkpoint, which publishes them in the transaction that commits their offsets.
+
+An answer that does not fit the size caps (a runaway model output) still ends in a response:
+a FAILED one without the output. A dead letter too large for the broker keeps the head of
+the original value and says how long it was.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+from confluent_kafka import KafkaError, KafkaException
+
+from pipeline.config import Settings
+from pipeline.dlq import H_TRUNCATED, dead_letter_headers
+from pipeline.errors import BackendError, EncodeError, KafkaOperationError
+from pipeline.models import BANDS, Request, Response, Status
+from pipeline.observability.metrics import WorkerMetrics, reason_code
+from pipeline.serde import RESPONSE_FIELDS, Codec
+from pipeline.worker.checkpoint import Checkpoint
+from pipeline.worker.state import Session, WorkerStats
+
+log = logging.getLogger(__name__)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _trace(request: Request) -> dict[str, str]:
+    return {"trace_id": request.trace_id} if request.trace_id else {}
+
+
+def answer(request: Request, status: Status, worker_id: str, **fields) -> Response:
+    """A worker's response to ``request`` other than the hot COMPLETED one.
+
+    Every outcome carries what the gateway decided, whether or not the model was called:
+    ``served_priority`` is the band the request was handled in (the gateway's
+    ``effective_priority``, else the requested one), so expirations and cancellations can
+    be split by the band they waited in; ``degraded`` says the gateway swapped the model.
+    """
+    return Response.for_request(
+        request, status, worker_id=worker_id, admitted_at=request.admitted_at,
+        served_priority=request.effective_priority or request.priority,
+        degraded=request.degraded_from is not None, metadata=_trace(request), **fields)
+
+
+class Responder:
+    def __init__(self, settings: Settings, codec: Codec, worker_id: str, session: Session, checkpoint: Checkpoint,
+                 stats: WorkerStats, metrics: WorkerMetrics):
+        self.codec = codec
+        self.wire = settings.serde.wire_format
+        self.worker_id = worker_id
+        self.responses_topic = settings.topics.responses
+        self.dlq_topic = settings.topics.dlq
+        self.session = session
+        self.checkpoint = checkpoint
+        self.stats = stats
+        self.metrics = metrics
+        # A dead letter has no decoded priority: its topic's band stands in.
+        self._topic_band = {settings.topics.request_topic(p): p.value for p in BANDS}
+
+    # -- the outcomes of a decoded request ---------------------------------------------------
+
+    def reject(self, tp, offset: int, request: Request, reason: str) -> None:
+        band = request.priority._value_
+        self.stats.rejected += 1
+        self.metrics.outcome(band, "rejected")
+        self.metrics.rejections.labels(band, reason_code(reason)).inc()
+        self.respond(tp, offset, answer(request, Status.REJECTED, self.worker_id, reason=reason))
+
+    def expire(self, tp, offset: int, request: Request, started: int) -> None:
+        self.stats.expired += 1
+        self.metrics.outcome(request.priority._value_, "expired")
+        self.respond(tp, offset, answer(
+            request, Status.EXPIRED, self.worker_id, started_at=started,
+            reason="deadline_passed: the request's timeout ran out before a worker took it"))
+
+    def cancelled(self, tp, offset: int, request: Request, started: int, reason: str) -> None:
+        self.stats.cancelled += 1
+        self.metrics.outcome(request.priority._value_, "cancelled")
+        self.respond(tp, offset, answer(
+            request, Status.CANCELLED, self.worker_id, reason=f"cancelled: {reason}", started_at=started))
+
+    def backend_failed(self, tp, offset: int, request: Request, started: int, exc: Exception,
+                       backend_name: str = "") -> None:
+        """The FAILED answer to a request whose backend call raised ``exc``."""
+        if isinstance(exc, BackendError):
+            reason = f"backend_error: {exc}"
+        else:  # a bug in the backend: the request still gets its one answer
+            log.error("backend %s crashed on request %s", backend_name, request.request_id, exc_info=exc)
+            reason = f"backend_error: {type(exc).__name__}: {exc}"
+        self.stats.failed += 1
+        self.metrics.outcome(request.priority._value_, "failed")
+        self.respond(tp, offset, answer(request, Status.FAILED, self.worker_id, reason=reason, started_at=started,
+                                        model=request.model))
+
+    def completed_many(self, done: list, started: int, seconds: float = 0.0) -> None:
+        """The COMPLETED answers of ``done`` ``(tp, offset, request, completion)``, the
+        backend having taken ``seconds`` for each (0 for answers it gave at once)."""
+        self.stats.completed += len(done)
+        self.metrics.completed_many(done, seconds)
+        finished = _now_ms()
+        encode, wire, topic, worker_id = self.codec.encode_response_values, self.wire, self.responses_topic, \
+            self.worker_id
+        checkpoint = self.checkpoint
+        hold = checkpoint.hold if checkpoint.exactly_once else None
+        produce, delivered, partial = self.session.producer.produce, self._delivered, functools.partial
+        completed = Status.COMPLETED
+        for tp, offset, request, c in done:
+            # RESPONSE_FIELDS order; the gateway fields are copied as answer() copies them.
+            values = (request.request_id, request.tenant_id, completed, None, c.output, c.prompt_tokens,
+                      c.completion_tokens, c.model, request.degraded_from is not None, request.priority,
+                      request.effective_priority or request.priority, request.created_at, request.admitted_at,
+                      started, finished, worker_id, None,
+                      {"trace_id": request.trace_id} if request.trace_id else {}, None, None)
+            try:
+                value = encode(values, wire, topic)
+            except EncodeError as exc:
+                value = self._fallback(Response(**dict(zip(RESPONSE_FIELDS, values))), f"response_too_large: {exc}")
+            key = request.tenant_id.encode()
+            if hold is not None:
+                hold(tp, offset, (topic, value, key, None))
+            else:
+                on_delivery = partial(delivered, tp, offset)
+                try:
+                    produce(topic, value, key, on_delivery=on_delivery)
+                except (BufferError, KafkaException):  # queue full, or too large: the careful path
+                    self.produce(topic, value, key, None, on_delivery)
+
+    def respond(self, tp, offset: int, response: Response) -> None:
+        try:
+            value = self.codec.encode_response(response, self.wire, self.responses_topic)
+        except EncodeError as exc:
+            value = self._fallback(response, f"response_too_large: {exc}")
+        self.emit(tp, offset, self.responses_topic, value, response.tenant_id.encode(), None)
+
+    def _fallback(self, response: Response, reason: str) -> bytes:
+        log.warning("request %s answered FAILED: %s", response.request_id, reason)
+        self.stats.failed += 1
+        self.metrics.outcome(response.requested_priority._value_, "failed")
+        failed = Response(
+            request_id=response.request_id, tenant_id=response.tenant_id, status=Status.FAILED, reason=reason[:500],
+            model=None, degraded=response.degraded, requested_priority=response.requested_priority,
+            served_priority=response.served_priority,
+            created_at=response.created_at, admitted_at=response.admitted_at, started_at=response.started_at,
+            finished_at=_now_ms(), worker_id=self.worker_id)
+        return self.codec.encode_response(failed, self.wire, self.responses_topic)
+
+    # -- publishing ------------------------------------------------------------------------
+
+    def dead_letter(self, msg, tp, offset: int, reason: str, error: str) -> None:
+        self.stats.dead_lettered += 1
+        self.metrics.dead_letters.labels(reason).inc()
+        self.metrics.outcome(self._topic_band.get(tp[0], "UNKNOWN"), "dead_lettered")
+        log.warning("dead-lettering %s[%d]@%d: %s", tp[0], tp[1], offset, error)
+        headers = dead_letter_headers(tp[0], tp[1], offset, reason, error, "worker", msg.headers())
+        self.emit(tp, offset, self.dlq_topic, msg.value(), msg.key(), headers)
+
+    def emit(self, tp, offset: int, topic: str, value, key, headers) -> None:
+        """Publish the one outcome of the message at ``tp``/``offset``."""
+        if self.checkpoint.exactly_once:
+            self.checkpoint.hold(tp, offset, (topic, value, key, headers))
+        else:
+            self.produce(topic, value, key, headers, functools.partial(self._delivered, tp, offset))
+
+    def produce(self, topic: str, value, key, headers, on_delivery) -> None:
+        """Produce, however long the local queue stays full, and shrunk if it is too large."""
+        producer = self.session.producer
+        while True:
+            try:
+                producer.produce(topic, value, key, headers=headers, on_delivery=on_delivery)
+                return
+            except BufferError:
+                # Local queue full: serve delivery reports until there is room.
+                producer.poll(0.05)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                    raise
+                topic, value, key, headers = self._shrunk(topic, value, key, headers)
+
+    def _shrunk(self, topic: str, value, key, headers):
+        """A message the broker or producer refuses as too large, made small enough to publish.
+
+        A dead letter keeps the head of the original value and says how long it was; a
+        response becomes a FAILED response without its output. Either way the request
+        still ends in exactly one outcome and the partition moves on.
+        """
+        if topic == self.dlq_topic:
+            own = [(k, v) for k, v in (headers or []) if k.startswith("llmq.dlq.")]
+            size = len(value or b"") + len(key or b"") + sum(len(k) + len(v or b"") for k, v in (headers or []))
+            log.warning("dead letter of %d bytes exceeds the size limit; keeping its first 64 KiB", size)
+            return topic, (value or b"")[:65536], (key or b"")[:1024], own + [(H_TRUNCATED, str(size).encode())]
+        response = self.codec.decode_response(value)
+        return topic, self._fallback(response, "response_too_large: the broker refused its size"), key, None
+
+    def _delivered(self, tp, offset: int, err, msg) -> None:
+        if err is None:
+            self.checkpoint.tracker.finished(tp, offset)
+            stats = self.stats
+            stats.delivered += 1
+            stats.last_delivered_at = time.perf_counter()
+            return
+        self._not_delivered(err, msg, functools.partial(self._delivered, tp, offset), f"{tp[0]}[{tp[1]}]@{offset}")
+
+    def _not_delivered(self, err, msg, on_delivery, what: str) -> None:
+        """A message the broker did not acknowledge: publish it again, smaller if it was too
+        large, or stop on a fatal error; its offset is not committed meanwhile."""
+        if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+            self.produce(*self._shrunk(msg.topic(), msg.value(), msg.key(), msg.headers()), on_delivery)
+            return
+        if err.fatal():
+            self.session.fail(KafkaOperationError("produce response", err.str(), err))
+            log.error("fatal producer error, stopping without committing %s: %s", what, err)
+            return
+        # Not acknowledged: never commit past it; publish again (idempotent producer).
+        self.stats.delivery_retries += 1
+        log.warning("response for %s not delivered (%s); retrying", what, err)
+        self.produce(msg.topic(), msg.value(), msg.key(), msg.headers(), on_delivery)
+

@@ -1,0 +1,236 @@
+"""Which taken request starts next, and which running call gives its slot away.
+
+Taken messages wait in one queue per band (:class:`~pipeline.worker.backlog.PartitionQueues`,
+served partition by partition in turn: tenants are spread over partitions). The band to serve
+next is the :class:`~pipeline.policy.bands.BandScheduler`'s: strict priority, except for a
+lower band below its minimum share.
+
+While every backend slot is busy, a request waiting in a higher band may take the slot of a
+running call of a preemptible band (``worker.preempt_bands``); failing that, a request whose
+tenant runs no call in its band may take the slot of a tenant running two or more there
+(``worker.fair_preemption``). The call cancelled goes back to its partition's queue and runs
+again later; its offset stays taken and unfinished meanwhile, so nothing is committed past it.
+"""
+
+from __future__ import annotations
+
+from pipeline.config import Settings
+from pipeline.models import BANDS, LOWEST_RANK, Priority
+from pipeline.observability.metrics import WorkerMetrics
+from pipeline.policy.bands import BandScheduler
+from pipeline.worker.backlog import PartitionQueues
+from pipeline.worker.state import WorkerStats
+
+
+def band_ranks(settings: Settings) -> dict[str, int]:
+    """Topic → band rank, for the request topics and the gateway's dispatch topics."""
+    topics = settings.topics
+    ranks = {topics.request_topic(p): p.rank for p in BANDS}
+    ranks.update({topics.dispatch_topic(p): p.rank for p in BANDS})
+    return ranks
+
+
+class Scheduler:
+    def __init__(self, settings: Settings, topics: list[str], stats: WorkerStats, metrics: WorkerMetrics):
+        cfg = settings.worker
+        self.cfg = cfg
+        self.stats = stats
+        self.metrics = metrics
+        self.rank = band_ranks(settings)
+        self.bands = BandScheduler([cfg.band_min_share.get(p.value, 0.0) for p in BANDS])
+        self.queues = [PartitionQueues() for _ in BANDS]
+        #: Per partition. A partition whose queue is full is paused (flow.py), so librdkafka's
+        #: shared fetch queue never holds higher-band work behind it.
+        self.cap = max(2 * cfg.max_inflight, 64)
+        #: Partitions whose queue reached the cap this turn (flow.py pauses those still full
+        #: once the free slots are filled).
+        self.deep: set[tuple[str, int]] = set()
+        # Preemption only of bands below another band this worker consumes: a pool of
+        # BACKGROUND alone never preempts (nor polls faster for it).
+        consumed = {self.rank[t] for t in topics if t in self.rank}
+        self.preemptible = frozenset(r for r in (Priority[b].rank for b in cfg.preempt_bands)
+                                     if r in consumed and any(c < r for c in consumed))
+        # Running calls that may give their slot to a waiting request of a higher band:
+        # key → (band rank, start order, message, task, request id).
+        self.victims: dict[tuple, tuple] = {}
+        self.preempt_counts: dict[tuple, int] = {}  # key → times preempted so far
+        self._starts = 0
+        # Fairness inside a band: running calls by (band rank, tenant key), each key → (start
+        # order, message, task, request id); how many of those run two or more.
+        self._fair = cfg.fair_preemption
+        self.by_tenant: dict[tuple, dict[tuple, tuple]] = {}
+        self.tenant_of_call: dict[tuple, tuple] = {}  # key → (band rank, tenant key)
+        self.crowded = 0
+        self._owed: set[int] = set()  # id() of the messages of the chunk in hand started on a minimum share
+
+    def rank_of(self, topic: str) -> int:
+        return self.rank.get(topic, LOWEST_RANK)
+
+    def reset(self) -> None:
+        """Forget every queued message and running call (a session starting over)."""
+        self.queues = [PartitionQueues() for _ in BANDS]
+        self.deep.clear()
+        self.victims.clear()
+        self.preempt_counts.clear()
+        self.by_tenant.clear()
+        self.tenant_of_call.clear()
+        self.crowded = 0
+
+    # -- the queues ------------------------------------------------------------------------
+
+    def add(self, tp: tuple[str, int], msg) -> None:
+        """Queue a taken message in its band."""
+        if self.queues[self.rank.get(tp[0], LOWEST_RANK)].append(tp, msg) >= self.cap:
+            self.deep.add(tp)
+
+    def depth(self, tp: tuple[str, int]) -> int:
+        return self.queues[self.rank.get(tp[0], LOWEST_RANK)].depth(tp)
+
+    def take_back(self, tp: tuple[str, int]):
+        """The message :meth:`add` just queued for ``tp``."""
+        return self.queues[self.rank.get(tp[0], LOWEST_RANK)].pop_last(tp)
+
+    def next_chunk(self, room: int) -> list:
+        """Up to ``room`` queued messages, in the order the band scheduler picks them one by one.
+
+        Picking ahead changes nothing: nothing is taken while the chunk is processed, and
+        processing touches neither the queues nor the band scheduler. :meth:`chunk_done` once
+        the chunk's calls are started.
+        """
+        queues, pick, record, owed = self.queues, self.bands.pick, self.bands.record, self._owed
+        chunk: list = []
+        while len(chunk) < room:
+            busy = [q.size > 0 for q in queues]
+            band = pick(busy)
+            if band is None:
+                break
+            if busy.count(True) == 1:
+                # The only band with work: every pick would choose it.
+                queue = queues[band]
+                while queue.size and len(chunk) < room:
+                    record(band)
+                    chunk.append(queue.popleft())
+                continue
+            record(band)
+            msg = queues[band].popleft()
+            if band != busy.index(True):
+                # Started on its band's minimum share: preempting it would take back the
+                # share the band scheduler has just counted as given.
+                owed.add(id(msg))
+            chunk.append(msg)
+        return chunk
+
+    def chunk_done(self) -> None:
+        self._owed.clear()
+
+    def drop(self, partitions: set) -> None:
+        """Forget what ``partitions`` queued and run: taken but uncommitted, their next owner runs it."""
+        for queue in self.queues:
+            queue.drop(partitions)
+        self.deep -= partitions
+        for table in (self.victims, self.preempt_counts):
+            for key in [key for key in table if key[0] in partitions]:
+                del table[key]
+        for key in [key for key in self.tenant_of_call if key[0] in partitions]:
+            self._forget_call(key)
+
+    # -- running calls ---------------------------------------------------------------------
+
+    def call_started(self, key: tuple, msg, task, request_id: str) -> None:
+        """A backend call for ``msg`` (``key``: (tp, offset)) runs as ``task``."""
+        rank = self.rank.get(key[0][0], LOWEST_RANK)
+        self._starts += 1
+        if rank in self.preemptible and id(msg) not in self._owed and \
+                self.preempt_counts.get(key, 0) < self.cfg.max_preemptions:
+            self.victims[key] = (rank, self._starts, msg, task, request_id)
+        if self._fair:
+            tenant = msg.key()
+            if tenant is not None:
+                self._track_call(key, rank, tenant, (self._starts, msg, task, request_id))
+
+    def call_ended(self, key: tuple, task) -> None:
+        """``task``, the call of ``key``, ended (answered, failed or cancelled)."""
+        victim = self.victims.get(key)
+        if victim is not None and victim[3] is task:
+            del self.victims[key]
+        self._forget_call(key)
+        self.preempt_counts.pop(key, None)
+
+    @property
+    def may_preempt(self) -> bool:
+        return bool(self.victims or self.crowded)
+
+    def preempt(self):
+        """Every slot is busy: pick one running call of a preemptible band lower than the band
+        served next and put its message back at the head of its partition's queue. Returns
+        the call's ``(key, task, request id)`` for the caller to cancel, or None.
+
+        The victim is the most recently started call of the lowest such band (the least work
+        thrown away). Failing such a call, one of a tenant crowding the served band
+        (:meth:`_crowding_call`), which waits behind the request it made way for.
+        """
+        band = self.bands.pick([q.size > 0 for q in self.queues])
+        if band is None:
+            return None
+        victim = None
+        for key, entry in self.victims.items():
+            if entry[0] > band and (victim is None or entry[:2] > victim[1][:2]):
+                victim = (key, entry)
+        turn_first = True
+        if victim is None:
+            victim = self._crowding_call(band) if self.crowded else None
+            if victim is None:
+                return None
+            turn_first = False
+            self.stats.preempted_in_band += 1
+        key, (rank, _, msg, task, request_id) = victim
+        self.victims.pop(key, None)
+        self._forget_call(key)
+        self.preempt_counts[key] = self.preempt_counts.get(key, 0) + 1
+        self.queues[rank].appendleft(key[0], msg, turn_first=turn_first)
+        self.stats.preempted += 1
+        self.metrics.preemptions.labels(BANDS[rank].value).inc()
+        return key, task, request_id
+
+    def _crowding_call(self, band: int):
+        """When the request ``band`` serves next is of a tenant running no call in that band
+        while another tenant runs two or more there: the latest-started of those calls that may
+        still be preempted, as (key, (band, start order, message, task, request id)), else None.
+
+        A call from the waiting request's own partition is never chosen: it would go back
+        ahead of the request and be taken again in its place.
+        """
+        head = self.queues[band].peek()
+        tenant = head.key()
+        if tenant is None or (band, tenant) in self.by_tenant:
+            return None
+        partition = (head.topic(), head.partition())
+        limit, counts = self.cfg.max_preemptions, self.preempt_counts
+        best = None
+        for (rank, _), calls in self.by_tenant.items():
+            if rank != band or len(calls) < 2:
+                continue
+            for key, entry in calls.items():
+                if key[0] != partition and counts.get(key, 0) < limit and (best is None or entry[0] > best[1][1]):
+                    best = (key, (band, *entry))
+        return best
+
+    def _track_call(self, key, rank: int, tenant, entry: tuple) -> None:
+        who = (rank, tenant)
+        calls = self.by_tenant.get(who)
+        if calls is None:
+            calls = self.by_tenant[who] = {}
+        calls[key] = entry
+        self.tenant_of_call[key] = who
+        if len(calls) == 2:
+            self.crowded += 1
+
+    def _forget_call(self, key) -> None:
+        who = self.tenant_of_call.pop(key, None)
+        if who is not None:
+            calls = self.by_tenant[who]
+            del calls[key]
+            if len(calls) == 1:
+                self.crowded -= 1
+            elif not calls:
+                del self.by_tenant[who]

@@ -1,0 +1,56 @@
+"""What the worker's parts share: its counters, and the current session's clients and end.
+
+A worker runs one session after another (a restart after an aborted transaction makes fresh
+clients), and a producer stuck in a transactional call is abandoned mid-session. So no part
+keeps its own reference to a client: each looks it up in :class:`Session` at every use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.errors import KafkaOperationError
+
+
+@dataclass
+class WorkerStats:
+    consumed: int = 0
+    completed: int = 0
+    failed: int = 0
+    expired: int = 0
+    rejected: int = 0
+    cancelled: int = 0
+    dead_lettered: int = 0
+    delivery_retries: int = 0
+    commits: int = 0
+    skipped_done: int = 0  # redelivered messages already answered (listed in commit metadata)
+    rebalances: int = 0
+    preempted: int = 0  # backend calls cancelled for a higher band's request (run again later)
+    preempted_in_band: int = 0  # of those, calls of a tenant crowding its band (worker.fair_preemption)
+    delivered: int = 0  # responses and dead letters the broker acknowledged (exactly-once: committed)
+    first_consumed_at: float = 0.0  # time.perf_counter() of the first message
+    last_delivered_at: float = 0.0
+
+
+class Session:
+    """The clients of the session running now, and whether it must end early."""
+
+    __slots__ = ("consumer", "producer", "cancellations", "fatal", "restart")
+
+    def __init__(self) -> None:
+        self.consumer = None
+        self.producer = None  # None once abandoned (see checkpoint.py): nothing can be produced then
+        self.cancellations = None
+        #: The error that stops the worker (the first one reported).
+        self.fatal: KafkaOperationError | None = None
+        #: Start over from the committed offsets with fresh clients: the consumer does not rewind
+        #: by itself after an aborted transaction.
+        self.restart = False
+
+    def fail(self, error: KafkaOperationError) -> None:
+        if self.fatal is None:
+            self.fatal = error
+
+    @property
+    def over(self) -> bool:
+        return self.fatal is not None or self.restart
