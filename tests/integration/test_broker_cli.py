@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -44,6 +45,13 @@ def test_broker_up_status_down_lifecycle_leaves_no_java_process(tmp_path):
         assert "answering" in status.stdout
         log_line = next(line for line in status.stdout.splitlines() if "log file:" in line)
         assert Path(log_line.split("log file:")[1].strip()).is_file()
+        # --json, with the global option after the command
+        as_json = llmq("broker", "status", "--json", "--port", port, "--data-dir", data, "--log-level", "warning")
+        assert as_json.returncode == 0, as_json.stderr
+        doc = json.loads(as_json.stdout)
+        assert doc["state"] == "answering" and doc["answering"] is True and doc["secure"] is False
+        assert doc["bootstrap"] == f"127.0.0.1:{port}" and isinstance(doc["pid"], int)
+        assert Path(doc["log_file"]).is_file()
         assert len(_java_pids_for(Path(data).resolve())) == 1
     finally:
         down = llmq("broker", "down", "--port", port, "--data-dir", data)
@@ -67,6 +75,13 @@ def test_topics_create_is_idempotent_and_reports_partition_mismatch(bootstrap):
     mismatch = llmq("topics", "create", env={**env, "LLMQ_TOPICS__REQUEST_PARTITIONS": "4"})
     assert mismatch.returncode == 2
     assert "MISMATCH" in mismatch.stdout and "configured 4 partitions, broker has 2" in mismatch.stdout
+    as_json = llmq("topics", "create", "--json", "--bootstrap", bootstrap,
+                   env={**env, "LLMQ_TOPICS__REQUEST_PARTITIONS": "4", "LLMQ_BOOTSTRAP": "127.0.0.1:1"})
+    assert as_json.returncode == 2, as_json.stderr
+    doc = json.loads(as_json.stdout)
+    assert doc["ok"] is False and doc["created"] == [] and len(doc["existing"]) == 13 - 5
+    assert {m["topic"] for m in doc["mismatched"]} == set(settings.topics.request_topics)
+    assert all(m["configured_partitions"] == 4 and m["broker_partitions"] == 2 for m in doc["mismatched"])
 
 
 def test_topics_get_their_configured_retention(bootstrap):
