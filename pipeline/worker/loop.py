@@ -338,6 +338,8 @@ class Worker:
 
     def _on_lost(self, consumer, partitions) -> None:
         # Lost, not revoked: another member may already own them, so committing is pointless.
+        # If they come back, their uncommitted requests are redelivered: not duplicates.
+        self.processor.forget_seen()
         self.flow.assignment_changed = True
         log.warning("lost %s (session timed out?)", _fmt(partitions))
         lost = {(p.topic, p.partition) for p in partitions}

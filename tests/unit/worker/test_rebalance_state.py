@@ -124,3 +124,34 @@ def test_a_partition_whose_queue_is_still_full_after_dispatch_is_paused_and_resu
         queue.popleft()
     worker.flow.resume_drained()
     assert worker.consumer.paused == set()
+
+
+def test_a_lost_partition_that_comes_back_runs_its_uncommitted_requests_again():
+    # A worker frozen past its session (SIGSTOP, a long call) loses its partitions; when they
+    # come back, the requests it had taken are redelivered and must run, not be taken for copies.
+    import asyncio
+
+    from pipeline.models import Status
+    from pipeline.testing import FakeMessage as Message
+    from tests.unit.worker.test_preemption import CODEC, Feed, answers, make_worker, settle
+
+    async def run():
+        worker = make_worker(max_inflight=2)
+        worker.consumer = RememberingConsumer()
+        feed = Feed(worker)
+        request = feed.take(Priority.NORMAL)
+        assert worker._dispatch() == 1
+        await settle()
+        tp = (worker.settings.topics.request_topic(Priority.NORMAL), 0)
+        worker._on_lost(worker.consumer, [TopicPartition(*tp)])
+        await settle()
+        assert not worker._tasks and answers(worker) == []  # handed back, uncommitted
+        # assigned again: the same message is read again
+        worker._take(Message(tp[0], 0, 0, CODEC.encode_request(request), request.tenant_id.encode()))
+        assert worker._dispatch() == 1
+        worker.backend.release(request.request_id)
+        await settle()
+        assert [(r.request_id, r.status) for r in answers(worker)] == [(request.request_id, Status.COMPLETED)]
+        assert worker.tracker.to_commit() == [(tp, 1)]
+
+    asyncio.run(run())
