@@ -14,6 +14,10 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     model: str
+    #: Why generation stopped ("stop", "length", ...), when the server said.
+    finish_reason: str | None = None
+    #: True when the server reported no usage and the token counts are llmq's estimates.
+    usage_estimated: bool = False
 
 
 class Backend(Protocol):

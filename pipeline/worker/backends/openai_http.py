@@ -1,96 +1,337 @@
-"""An OpenAI-compatible chat-completions backend (OpenAI, vLLM, TGI, llama.cpp server, ...).
+"""An OpenAI-compatible chat-completions backend (vLLM, llama.cpp server, TGI, OpenAI, ...).
 
-One pooled HTTP/1.1 client per worker; each call has a timeout that never outlives the
-request's own deadline. 429 and 5xx answers, timeouts and connection errors are retried
-with exponential backoff and jitter (honouring ``Retry-After``); anything else, or the last
-failed attempt, raises :class:`BackendError` and the worker answers FAILED with the reason.
+One pooled HTTP/1.1 client per worker. A call goes to a server of its model chosen by
+the routing table (:mod:`routing`) once the server's pacer (:mod:`pacing`) has a slot
+for it, and is streamed (``stream: true`` with ``stream_options.include_usage``) so the
+time to first token paces the server and a cancelled call closes its connection, which
+is how a server learns to stop generating. A server that answers a stream request
+with one JSON body is read as such.
+
+Failures: 429 and 5xx answers, timeouts, connection errors and streams cut short are
+retried, first on another server of the model (at once), then with exponential backoff
+and jitter, honouring ``Retry-After``, and never past the request's deadline; every
+other 4xx, or the last failed attempt, raises :class:`BackendError` (``retriable`` says
+whether the failure was transient). A streamed call is retried only until its first
+chunk is out: after that a retry would repeat text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Mapping
 
 import httpx
 
 from pipeline.errors import BackendError
 from pipeline.models import Request
 from pipeline.worker.backends.base import Completion
+from pipeline.worker.backends.openai_wire import (Chunk, SseParser, StreamAssembler, Usage, WireError, chat_body,
+                                                  completion_from_json, error_reason, prompt_token_estimate,
+                                                  retry_after_s)
+from pipeline.worker.backends.pacing import PacingConfig, PacingGate, Slot
+from pipeline.worker.backends.routing import RoutingTable, Server
+from pipeline.worker.backends.server_metrics import MetricsPoller
 
 _RETRIABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+_OVERLOAD_STATUS = {429, 503}
+_MAX_ERROR_BODY = 4096
+_MAX_JSON_BODY = 32 * 1024 * 1024
+
+
+@dataclass
+class _Failure(Exception):
+    reason: str
+    retriable: bool
+    server: Server | None = None
+    unreachable: bool = False
+    overloaded: bool = False
+    retry_after: float | None = None
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@dataclass
+class _Call:
+    """One request's way through its attempts."""
+
+    request: Request
+    body: dict[str, Any]
+    deadline: float  # monotonic
+    attempts: int = 0
+    ends: float = 0.0  # monotonic end of the current attempt
+    tried: set = field(default_factory=set)
 
 
 class OpenAIBackend:
     name = "openai"
 
-    def __init__(self, base_url: str, api_key: str = "", *, timeout_s: float = 60.0, max_attempts: int = 3,
-                 backoff_s: float = 0.5, max_connections: int = 64):
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.base_url = base_url.rstrip("/")
+    def __init__(self, base_url: str | None = None, api_key: str = "", *, routes: RoutingTable | None = None,
+                 timeout_s: float = 60.0, max_attempts: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
+                 max_connections: int = 64, pacing: PacingConfig | None = PacingConfig(),
+                 stream_completions: bool = True, params: Mapping[str, Any] | None = None,
+                 connect_timeout_s: float = 5.0):
+        if routes is None:
+            if not base_url:
+                raise ValueError("OpenAIBackend needs a base_url or a routing table")
+            routes = RoutingTable.single(base_url)
+        self.routes = routes
+        self.base_url = routes.servers[0].base_url
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self.max_attempts = max(1, max_attempts)
         self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.stream_completions = stream_completions
+        self.params = dict(params or {})
+        self.gate = PacingGate(pacing or PacingConfig(adaptive=False, max_limit=max_connections,
+                                                      initial_limit=max_connections))
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
-            base_url=self.base_url, headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=min(5.0, timeout_s)),
+            headers=headers, timeout=httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s)),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+        self._pollers: dict[Server, MetricsPoller] = {}
 
+    # -- the Backend protocol ---------------------------------------------------
     def complete_now(self, request: Request) -> Completion | None:
         return None
 
     async def complete(self, request: Request) -> Completion:
-        body = {"model": request.model, "max_tokens": request.max_tokens,
-                "messages": [{"role": "user", "content": request.prompt}]}
-        deadline = (request.created_at + request.timeout_ms) / 1000.0
-        last: BackendError | None = None
-        for attempt in range(1, self.max_attempts + 1):
-            remaining = deadline - time.time()
-            if remaining <= 0:
-                break
-            wait = None
+        call = self._new_call(request, stream=self.stream_completions)
+        while True:
             try:
-                resp = await self._client.post("/chat/completions", json=body,
-                                               timeout=min(self.timeout_s, remaining))
-            except httpx.TimeoutException:
-                last = BackendError(f"timed out after {min(self.timeout_s, remaining):.1f}s", retriable=True)
-            except httpx.TransportError as exc:
-                last = BackendError(f"connection error: {type(exc).__name__}: {exc}", retriable=True)
-            else:
-                if resp.status_code == 200:
-                    return self._parse(resp, request)
-                detail = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                if resp.status_code not in _RETRIABLE_STATUS:
-                    raise BackendError(detail, retriable=False)
-                last = BackendError(detail, retriable=True)
-                wait = _retry_after(resp)
-            if attempt < self.max_attempts:
-                backoff = self.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random())
-                await asyncio.sleep(min(wait if wait is not None else backoff, 30.0, max(0.0, deadline - time.time())))
-        if last is None:
-            raise BackendError("the request's deadline passed before the model answered", retriable=False)
-        raise BackendError(f"{last} (after {attempt} attempt{'s' if attempt > 1 else ''})", retriable=False)
+                async with self._attempt(call) as (server, slot, resp, sent):
+                    return await self._collect(call, server, slot, resp, sent)
+            except _Failure as failure:
+                await self._after_failure(call, failure)
 
-    @staticmethod
-    def _parse(resp: httpx.Response, request: Request) -> Completion:
-        try:
-            data = resp.json()
-            output = data["choices"][0]["message"]["content"] or ""
-            usage = data.get("usage") or {}
-            return Completion(output, int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)),
-                              str(data.get("model") or request.model))
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise BackendError(f"unexpected response body ({type(exc).__name__}): {resp.text[:200]}") from None
+    async def stream(self, request: Request) -> AsyncIterator[Chunk]:
+        """The answer chunk by chunk; the last chunk has ``finish_reason`` and ``usage``.
+
+        Cancelling the task that iterates (or closing the iterator, e.g. with
+        ``contextlib.aclosing``) closes the HTTP response, and the server stops.
+        """
+        call = self._new_call(request, stream=True)
+        yielded = 0
+        while True:
+            try:
+                async with self._attempt(call) as (server, slot, resp, sent):
+                    async for chunk in self._chunks(call, server, slot, resp, sent):
+                        yielded += 1
+                        yield chunk
+                    return
+            except _Failure as failure:
+                if yielded:
+                    raise BackendError(f"{failure} after {yielded} chunk{'s' if yielded > 1 else ''}; "
+                                       "the answer is incomplete", retriable=failure.retriable) from None
+                await self._after_failure(call, failure)
 
     async def close(self) -> None:
+        for poller in self._pollers.values():
+            await poller.stop()
+        self._pollers.clear()
         await self._client.aclose()
 
+    # -- what a worker asks before taking work --------------------------------
+    def capacity(self, model: str | None = None) -> int:
+        """Calls that can start now without waiting, on ``model``'s servers (all servers if None)."""
+        servers = self.routes.servers if model is None else self.routes.servers_for(model)
+        return sum(self.gate.available(s) for s in servers if self.routes.is_up(s))
 
-def _retry_after(resp: httpx.Response) -> float | None:
-    value = resp.headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None
+    def server_state(self) -> list[dict[str, Any]]:
+        state = self.gate.state()
+        return [{"base_url": s.base_url, "models": list(s.models), "up": self.routes.is_up(s),
+                 **state.get(s, {"in_flight": 0, "limit": self.gate.limit(s), "mode": "unused"})}
+                for s in self.routes.servers]
+
+    # -- one attempt -----------------------------------------------------------
+    def _new_call(self, request: Request, stream: bool) -> _Call:
+        self.routes.servers_for(request.model)  # an unknown model fails here, before any HTTP call
+        remaining = (request.created_at + request.timeout_ms) / 1000.0 - time.time()
+        body = chat_body(request, stream=stream, defaults=self.params)
+        return _Call(request, body, time.monotonic() + remaining)
+
+    def _choose(self, call: _Call) -> Server | None:
+        gate = self.gate
+        return self.routes.pick(call.request.model, exclude=call.tried,
+                                key=lambda s: (gate.available(s) <= 0, gate.in_flight(s)))
+
+    def _ensure_poller(self, server: Server) -> None:
+        cfg = self.gate.config
+        if cfg.adaptive and server not in self._pollers:
+            poller = MetricsPoller(self._client, server.root_url + "/metrics",
+                                   lambda load, s=server: self.gate.observe_load(s, load),
+                                   interval_s=cfg.metrics_interval_s)
+            self._pollers[server] = poller
+            poller.start()
+
+    @asynccontextmanager
+    async def _attempt(self, call: _Call):
+        remaining = call.deadline - time.monotonic()
+        if remaining <= 0:
+            raise _Failure("the request's deadline passed before the model answered", retriable=False)
+        for server in self.routes.servers_for(call.request.model):
+            self._ensure_poller(server)
+        try:
+            slot = await self.gate.acquire(lambda: self._choose(call), remaining)
+        except TimeoutError:
+            raise _Failure("no model server had a free slot before the request's deadline",
+                           retriable=False) from None
+        server: Server = slot.server
+        try:
+            timeout = min(self.timeout_s, call.deadline - time.monotonic())
+            if timeout <= 0:
+                raise _Failure("the request's deadline passed before the model answered", retriable=False)
+            ends = time.monotonic() + timeout
+            request = self._client.build_request(
+                "POST", server.base_url + "/chat/completions", json=call.body,
+                timeout=httpx.Timeout(timeout, connect=min(self.connect_timeout_s, timeout)))
+            sent = time.monotonic()
+            try:
+                async with asyncio.timeout_at(_loop_deadline(ends)):
+                    resp = await self._client.send(request, stream=True)
+            except (TimeoutError, httpx.TimeoutException):
+                raise _Failure(f"timed out after {timeout:.1f}s", retriable=True, server=server) from None
+            except httpx.TransportError as exc:
+                raise _Failure(f"connection error: {type(exc).__name__}", retriable=True, server=server,
+                               unreachable=True) from None
+            try:
+                if resp.status_code != 200:
+                    raise await self._status_failure(server, resp, ends)
+                call.ends = ends
+                yield server, slot, resp, sent
+            finally:
+                await resp.aclose()
+        finally:
+            self.gate.release(slot)
+
+    async def _status_failure(self, server: Server, resp: httpx.Response, ends: float) -> _Failure:
+        body = b""
+        try:
+            async with asyncio.timeout_at(_loop_deadline(min(ends, time.monotonic() + 5.0))):
+                async for part in resp.aiter_bytes():
+                    body += part
+                    if len(body) >= _MAX_ERROR_BODY:
+                        break
+        except (TimeoutError, httpx.HTTPError):
+            pass
+        status = resp.status_code
+        return _Failure(error_reason(status, body[:_MAX_ERROR_BODY]), retriable=status in _RETRIABLE_STATUS,
+                        server=server, overloaded=status in _OVERLOAD_STATUS,
+                        retry_after=retry_after_s(resp.headers.get("retry-after"), time.time()))
+
+    async def _chunks(self, call: _Call, server: Server, slot: Slot, resp: httpx.Response,
+                      sent: float) -> AsyncIterator[Chunk]:
+        loop_ends = _loop_deadline(call.ends)
+        assembler = StreamAssembler(prompt_token_estimate(call.body))
+        try:
+            if "text/event-stream" not in resp.headers.get("content-type", ""):
+                async with asyncio.timeout_at(loop_ends):
+                    raw = await _read_capped(resp, _MAX_JSON_BODY)
+                try:
+                    completion = completion_from_json(json.loads(raw), call.request)
+                except ValueError:
+                    raise WireError("unexpected response body (not JSON)") from None
+                self.routes.mark_ok(server)
+                if completion.output:
+                    yield Chunk(0, completion.output)
+                yield Chunk(1 if completion.output else 0, "", completion.finish_reason,
+                            _usage_of(completion))
+                return
+            parser = SseParser()
+            lines = resp.aiter_lines()
+            first = True
+            while True:
+                async with asyncio.timeout_at(loop_ends):
+                    line = await anext(lines, None)
+                data = parser.line(line) if line is not None else parser.end()
+                if data is not None:
+                    chunk = assembler.feed(data)
+                    if chunk is not None:
+                        if first:
+                            first = False
+                            self.gate.first_token(slot, time.monotonic() - sent)
+                        yield chunk
+                    if assembler.done:
+                        break
+                if line is None:
+                    break
+            if not assembler.complete:
+                raise _Failure("the stream ended before the model finished", retriable=True, server=server)
+            self.routes.mark_ok(server)
+            yield assembler.finish()
+        except TimeoutError:
+            raise _Failure(f"timed out after {call.ends - sent:.1f}s", retriable=True, server=server) from None
+        except httpx.TransportError as exc:
+            raise _Failure(f"connection lost mid-answer: {type(exc).__name__}", retriable=True, server=server,
+                           unreachable=True) from None
+        except WireError as exc:
+            raise _Failure(str(exc), retriable=exc.retriable, server=server) from None
+
+    async def _collect(self, call: _Call, server: Server, slot: Slot, resp: httpx.Response,
+                       sent: float) -> Completion:
+        parts = []
+        async for chunk in self._chunks(call, server, slot, resp, sent):
+            if chunk.text:
+                parts.append(chunk.text)
+            if chunk.usage is not None:
+                model = call.request.model
+                return Completion("".join(parts), chunk.usage.prompt_tokens, chunk.usage.completion_tokens, model,
+                                  finish_reason=chunk.finish_reason, usage_estimated=chunk.usage.estimated)
+        raise _Failure("the stream ended before the model finished", retriable=True, server=server)
+
+    async def _after_failure(self, call: _Call, failure: _Failure) -> None:
+        """Decide what follows a failed attempt: raise, fail over at once, or back off."""
+        call.attempts += 1
+        server = failure.server
+        if server is not None:
+            call.tried.add(server)
+            if failure.unreachable:
+                self.routes.mark_failed(server)
+            elif failure.retry_after is not None:
+                self.routes.hold(server, failure.retry_after)
+        n = call.attempts
+        suffix = f"(after {n} attempt{'s' if n > 1 else ''})"
+        if not failure.retriable:
+            raise BackendError(failure.reason if n == 1 else f"{failure.reason} {suffix}", retriable=False)
+        if n >= self.max_attempts:
+            raise BackendError(f"{failure.reason} {suffix}", retriable=True)
+        remaining = call.deadline - time.monotonic()
+        if remaining <= 0:
+            raise BackendError(f"{failure.reason}; the request's deadline passed {suffix}", retriable=False)
+        if self.routes.pick(call.request.model, exclude=call.tried) is not None:
+            return  # another server of the model has not been tried: go there now
+        call.tried.clear()
+        if failure.retry_after is not None:
+            wait = failure.retry_after
+        else:
+            wait = self.backoff_s * 2 ** (n - 1) * (0.5 + random.random())
+        wait = min(wait, self.max_backoff_s)
+        if wait >= remaining:
+            raise BackendError(f"{failure.reason}; waiting {wait:.1f}s to retry would pass the request's "
+                               f"deadline {suffix}", retriable=False)
+        await asyncio.sleep(wait)
+
+
+def _usage_of(completion: Completion) -> Usage:
+    return Usage(completion.prompt_tokens, completion.completion_tokens, completion.usage_estimated)
+
+
+def _loop_deadline(monotonic_deadline: float) -> float:
+    """A time.monotonic() deadline on the running loop's clock (the same clock, unless a test swaps it)."""
+    loop = asyncio.get_running_loop()
+    return loop.time() + (monotonic_deadline - time.monotonic())
+
+
+async def _read_capped(resp: httpx.Response, limit: int) -> bytes:
+    body = bytearray()
+    async for part in resp.aiter_bytes():
+        body += part
+        if len(body) > limit:
+            raise WireError(f"response body larger than {limit} bytes")
+    return bytes(body)

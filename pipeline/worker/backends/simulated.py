@@ -6,7 +6,7 @@ import asyncio
 import zlib
 
 from pipeline.models import Request
-from pipeline.worker.backends.base import Completion, estimate_tokens
+from pipeline.worker.backends.base import Completion
 
 _WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
           "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa")
