@@ -142,7 +142,8 @@ class ServerPacer:
         now = self.clock() if now is None else now
         if self.metrics_fresh(now):
             load = self.load
-            started_since = sum(1 for t in self._starts if t > load.at)
+            # a start at the sample's own instant may not be in it: count it (the safe side)
+            started_since = sum(1 for t in self._starts if t >= load.at)
             headroom = self.capacity - load.running - load.waiting - started_since
             if load.kv_usage is not None and load.kv_usage >= cfg.kv_high:
                 headroom = min(headroom, 0)
@@ -172,7 +173,7 @@ class ServerPacer:
         elif load.running >= self.capacity:
             self.capacity = int(load.running) + 1  # full and nobody waits: probe one slot more
         self.load = load
-        while self._starts and self._starts[0] <= load.at:
+        while self._starts and self._starts[0] < load.at:
             self._starts.popleft()
 
 
