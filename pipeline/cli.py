@@ -264,6 +264,7 @@ def _dlq_list(settings: Settings, args) -> int:
         size = f"{r['size']}" + (f" (of {r['truncated_from']})" if r["truncated_from"] else "")
         print(f"{record:<{len(settings.topics.dlq) + 12}} {source:<34} {r['reason']:<20} {r['failed_at']:<24} "
               f"{size:>9}  {r['replayed_to'] or '-'}")
+    sys.stdout.flush()  # the count (on stderr) after the table, also when both go to one terminal
     print(f"{len(rows)} dead letter{'s' if len(rows) != 1 else ''}", file=sys.stderr)
     return 0
 
