@@ -51,6 +51,9 @@ class _Failure(Exception):
     unreachable: bool = False
     overloaded: bool = False
     retry_after: float | None = None
+    #: A 200 stream that ended before its first event: servers do that when the request
+    #: fails after the headers went out (llama-cpp-python on a too long prompt).
+    empty_stream: bool = False
 
     def __str__(self) -> str:
         return self.reason
@@ -61,10 +64,15 @@ class _Call:
     """One request's way through its attempts."""
 
     request: Request
-    body: dict[str, Any]
+    stream: bool  # whether to ask for a stream when the server reports usage in streams
     deadline: float  # monotonic
+    #: Ask for a whole answer: the last attempt's stream was empty, and the error that
+    #: emptied it is only told in a whole answer.
+    plain: bool = False
+    always_stream: bool = False  # stream() streams even from servers that leave usage out
     attempts: int = 0
     ends: float = 0.0  # monotonic end of the current attempt
+    body: dict[str, Any] = field(default_factory=dict)  # the current attempt's
     tried: set = field(default_factory=set)
 
 
@@ -113,10 +121,12 @@ class OpenAIBackend:
     async def stream(self, request: Request) -> AsyncIterator[Chunk]:
         """The answer chunk by chunk; the last chunk has ``finish_reason`` and ``usage``.
 
-        Cancelling the task that iterates (or closing the iterator, e.g. with
+        ``usage`` is the server's, or estimated (``usage.estimated``) from a server that
+        reports none in streams. Cancelling the task that iterates (or closing the iterator, e.g. with
         ``contextlib.aclosing``) closes the HTTP response, and the server stops.
         """
         call = self._new_call(request, stream=True)
+        call.always_stream = True
         yielded = 0
         while True:
             try:
@@ -153,8 +163,7 @@ class OpenAIBackend:
     def _new_call(self, request: Request, stream: bool) -> _Call:
         self.routes.servers_for(request.model)  # an unknown model fails here, before any HTTP call
         remaining = (request.created_at + request.timeout_ms) / 1000.0 - time.time()
-        body = chat_body(request, stream=stream, defaults=self.params)
-        return _Call(request, body, time.monotonic() + remaining)
+        return _Call(request, stream, time.monotonic() + remaining)
 
     def _choose(self, call: _Call) -> Server | None:
         gate = self.gate
@@ -188,13 +197,20 @@ class OpenAIBackend:
             if timeout <= 0:
                 raise _Failure("the request's deadline passed before the model answered", retriable=False)
             ends = time.monotonic() + timeout
+            stream = call.stream and not call.plain and (call.always_stream or server.stream_usage is not False)
+            call.body = chat_body(call.request, stream=stream, defaults=self.params)
             request = self._client.build_request(
                 "POST", server.base_url + "/chat/completions", json=call.body,
                 timeout=httpx.Timeout(timeout, connect=min(self.connect_timeout_s, timeout)))
             sent = time.monotonic()
             try:
                 async with asyncio.timeout_at(_loop_deadline(ends)):
-                    resp = await self._client.send(request, stream=True)
+                    try:
+                        resp = await self._client.send(request, stream=True)
+                    except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+                        # A pooled keep-alive connection the server had closed: the pool has
+                        # dropped it, and one more try opens a new one (a dead server refuses it).
+                        resp = await self._client.send(request, stream=True)
             except (TimeoutError, httpx.TimeoutException):
                 raise _Failure(f"timed out after {timeout:.1f}s", retriable=True, server=server) from None
             except httpx.TransportError as exc:
@@ -262,8 +278,10 @@ class OpenAIBackend:
                 if line is None:
                     break
             if not assembler.complete:
-                raise _Failure("the stream ended before the model finished", retriable=True, server=server)
+                raise _Failure("the stream ended before the model finished", retriable=True, server=server,
+                               empty_stream=assembler.events == 0)
             self.routes.mark_ok(server)
+            server.stream_usage = assembler.usage is not None
             yield assembler.finish()
         except TimeoutError:
             raise _Failure(f"timed out after {call.ends - sent:.1f}s", retriable=True, server=server) from None
@@ -288,6 +306,7 @@ class OpenAIBackend:
     async def _after_failure(self, call: _Call, failure: _Failure) -> None:
         """Decide what follows a failed attempt: raise, fail over at once, or back off."""
         call.attempts += 1
+        call.plain = call.plain or failure.empty_stream
         server = failure.server
         if server is not None:
             call.tried.add(server)
@@ -304,6 +323,9 @@ class OpenAIBackend:
         remaining = call.deadline - time.monotonic()
         if remaining <= 0:
             raise BackendError(f"{failure.reason}; the request's deadline passed {suffix}", retriable=False)
+        if failure.empty_stream and server is not None:
+            call.tried.discard(server)  # ask the same server again at once, for a whole answer
+            return
         if self.routes.pick(call.request.model, exclude=call.tried) is not None:
             return  # another server of the model has not been tried: go there now
         call.tried.clear()

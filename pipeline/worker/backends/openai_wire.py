@@ -127,6 +127,7 @@ class StreamAssembler:
     def __init__(self, prompt_tokens_estimate: int):
         self.prompt_estimate = prompt_tokens_estimate
         self.count = 0
+        self.events = 0
         self.content_chunks = 0
         self.finish_reason: str | None = None
         self.usage: Mapping[str, Any] | None = None
@@ -134,6 +135,7 @@ class StreamAssembler:
         self.done = False
 
     def feed(self, data: str) -> Chunk | None:
+        self.events += 1
         if data.strip() == "[DONE]":
             self.done = True
             return None

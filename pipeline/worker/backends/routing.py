@@ -39,6 +39,9 @@ class Server:
     models: list[str] = field(default_factory=list)
     down_until: float = 0.0
     consecutive_failures: int = 0
+    #: Whether its streams end with usage (None: not seen yet). Servers that leave it out
+    #: (llama-cpp-python) are asked for whole answers by complete(), whose usage is real.
+    stream_usage: bool | None = None
 
     @property
     def root_url(self) -> str:
