@@ -15,14 +15,15 @@ here along its writer schema, without building a single value, and refused with 
   cap and every map within ``max_metadata_entries``, counting encoded entries (duplicate
   keys too), or ``limit_exceeded``: refused before fastavro builds the value;
 * it keeps to the encoding rules fastavro does not check: a boolean byte is ``00`` or
-  ``01``, an enum or union index is within its list, an ``int`` fits in 32 bits and in
-  at most 5 bytes (``invalid_field``); no varint is longer than 10 bytes or beyond 64
-  bits, and a block's declared byte size is its size, since fastavro skips the fields
-  a reader schema lacks by that size (``malformed``); nothing follows the record
-  (``malformed``).
+  ``01``, an enum or union index is within its list, an ``int`` fits in 32 bits
+  (``invalid_field``); no varint is longer than 10 bytes or beyond 64 bits, and a
+  block's declared byte size is its size, since fastavro skips the fields a reader
+  schema lacks by that size and the walk must cover the bytes fastavro reads
+  (``malformed``); nothing follows the record (``malformed``).
 
 Valid encodings no llmq writer produces (negative block counts with their byte size,
-several blocks, non-minimal varints within those bounds) pass. UTF-8 validity is left to
+several blocks, varints longer than needed within 10 bytes, an ``int`` among them)
+pass, as fastavro reads them. UTF-8 validity is left to
 fastavro. The codec runs the same walk over every body it encodes, so it never writes
 what it would refuse to read.
 """
@@ -73,15 +74,13 @@ def _varint(data, pos: int, where: str) -> tuple[int, int]:
 
 
 def _int(data, pos: int, where: str) -> tuple[int, int]:
-    """An Avro ``int`` (a field value, enum or union index): 32 bits, at most 5 bytes."""
+    """An Avro ``int`` (a field value, enum or union index): within 32 bits."""
     b = data[pos]
     if b < 0x80:
         return (b >> 1) ^ -(b & 1), pos + 1
     value, end = _varint(data, pos, where)
     if not _INT32_MIN <= value <= _INT32_MAX:
         raise DecodeError("invalid_field", f"{where}: {value} is not a 32-bit int")
-    if end - pos > 5:
-        raise DecodeError("invalid_field", f"{where}: int encoded in {end - pos} bytes (at most 5)")
     return value, end
 
 

@@ -88,13 +88,12 @@ def test_a_union_index_is_within_its_branches(revision, index):
 
 
 @every_revision
-def test_an_int_fits_in_32_bits_and_5_bytes(revision):
+def test_an_int_fits_in_32_bits(revision):
     error = refused(message(revision, max_tokens=zigzag(2**40)))
     assert (error.reason, error.detail) == ("invalid_field", "LLMRequest.max_tokens: 1099511627776 is not a 32-bit int")
-    error = refused(message(revision, max_tokens=b"\x80\x80\x80\x80\x80\x00"))  # zero, in 6 bytes
-    assert error.reason == "invalid_field" and "6 bytes" in error.detail
-    # 5 bytes: not the shortest form, but within Avro's int encoding
-    assert CODEC.decode_request(message(revision, max_tokens=b"\x80\x80\x80\x80\x00")).max_tokens == 0
+    # longer than needed, as fastavro reads it: zero in 5 and in 10 bytes
+    for zero in (b"\x80\x80\x80\x80\x00", b"\x80" * 9 + b"\x00"):
+        assert CODEC.decode_request(message(revision, max_tokens=zero)).max_tokens == 0
 
 
 @every_revision
