@@ -224,9 +224,14 @@ class WorkerMetrics:
         self.preemptions = Counter(
             "llmq_preemptions", "Backend calls cancelled to free their slot for a waiting request of a higher "
                                 "band, by the cancelled call's band (its request runs again later).", ["priority"])
+        self.duplicates = Counter(
+            "llmq_duplicate_requests", "Messages carrying a request id this worker had taken already, by what "
+                                       "became of them: dropped (the first still in flight, its answer covers "
+                                       "them) or repeated (given the first answer again).", ["action"])
         self.registry.register(_Collector([
             self.requests, self.rejections, self.queue_wait, self.duration, self.tenant_wait, self.inflight,
-            self.tokens, self.last_commit, self.rebalances, self.dead_letters, self.up, self.preemptions]))
+            self.tokens, self.last_commit, self.rebalances, self.dead_letters, self.up, self.preemptions,
+            self.duplicates]))
         self.inflight_child = self.inflight.labels(pool)
         self.inflight_child.set(0)
         self._band_series: dict[str, tuple] = {}

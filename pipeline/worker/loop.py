@@ -38,6 +38,7 @@ from pipeline.serde import Codec
 from pipeline.serde.factory import codec_for
 from pipeline.worker.backends.base import Backend
 from pipeline.worker.checkpoint import Checkpoint
+from pipeline.worker.dedupe import RecentRequests
 from pipeline.worker.flow import Flow
 from pipeline.worker.membership import apply_group_session
 from pipeline.worker.processor import Processor
@@ -84,9 +85,11 @@ class Worker:
         # A transaction's outcomes that the plain produce refuses take the responder's careful path.
         self.checkpoint = Checkpoint(cfg, session, stats, metrics,
                                      publish=lambda *outcome: self.responder.produce(*outcome))
-        self.responder = Responder(settings, self.codec, self.worker_id, session, self.checkpoint, stats, metrics)
-        self.processor = Processor(cfg, backend, self.codec, session, self.responder, self.scheduler, self.flow,
+        self.recent = RecentRequests(cfg.dedupe_window, self.checkpoint.exactly_once)
+        self.responder = Responder(settings, self.codec, self.worker_id, session, self.checkpoint, self.recent,
                                    stats, metrics)
+        self.processor = Processor(cfg, backend, self.codec, session, self.responder, self.scheduler, self.flow,
+                                   self.recent, stats, metrics)
         self._consumer_overrides = consumer_overrides or {}
         self._producer_overrides = producer_overrides or {}
         self._stop = threading.Event()
@@ -172,6 +175,7 @@ class Worker:
         self.scheduler.reset()
         self.flow.reset()
         self.processor.reset()
+        self.recent.clear()
 
     async def _session(self) -> None:
         cfg, session = self.cfg, self.session
@@ -327,31 +331,29 @@ class Worker:
 
     def _on_revoke(self, consumer, partitions) -> None:
         self.stats.rebalances += 1
-        # Their uncommitted requests go to another member, or come back here: not duplicates.
-        self.processor.forget_seen()
         self.metrics.rebalances.labels(self.metrics.pool).inc()
         self.flow.assignment_changed = True
         revoked = {(p.topic, p.partition) for p in partitions}
         log.info("revoked %s", _fmt(partitions))
         self._give_up(revoked)
-        self.checkpoint.revoked(revoked)
+        self.recent.forget_answers(self.checkpoint.revoked(revoked))
 
     def _on_lost(self, consumer, partitions) -> None:
         # Lost, not revoked: another member may already own them, so committing is pointless.
-        # If they come back, their uncommitted requests are redelivered: not duplicates.
-        self.processor.forget_seen()
         self.flow.assignment_changed = True
         log.warning("lost %s (session timed out?)", _fmt(partitions))
         lost = {(p.topic, p.partition) for p in partitions}
         self._give_up(lost)
-        self.checkpoint.lost(lost)
+        self.recent.forget_answers(self.checkpoint.lost(lost))
 
     def _give_up(self, partitions: set) -> None:
         """Hand back the work of ``partitions``, running or queued: its offsets stay uncommitted,
-        so their next owner runs it."""
+        so their next owner runs it. Redelivered here, it is not a copy of itself; answered
+        already, it is given the same answer again (see dedupe.py)."""
         self.processor.hand_back(partitions)
         self.scheduler.drop(partitions)
         self.flow.forget(partitions)
+        self.recent.release(partitions)
 
     # -- the end --------------------------------------------------------------------------
 

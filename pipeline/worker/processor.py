@@ -13,7 +13,6 @@ import asyncio
 import functools
 import logging
 import time
-from collections import deque
 
 from pipeline.config import WorkerSettings
 from pipeline.errors import DecodeError
@@ -22,6 +21,7 @@ from pipeline.observability.metrics import WorkerMetrics
 from pipeline.policy.validation import validate_request
 from pipeline.serde import Codec
 from pipeline.worker.backends.base import Backend
+from pipeline.worker.dedupe import IN_FLIGHT, RecentRequests
 from pipeline.worker.flow import Flow
 from pipeline.worker.responder import Responder
 from pipeline.worker.scheduler import Scheduler
@@ -36,7 +36,7 @@ def _now_ms() -> int:
 
 class Processor:
     def __init__(self, cfg: WorkerSettings, backend: Backend, codec: Codec, session: Session, responder: Responder,
-                 scheduler: Scheduler, flow: Flow, stats: WorkerStats, metrics: WorkerMetrics):
+                 scheduler: Scheduler, flow: Flow, recent: RecentRequests, stats: WorkerStats, metrics: WorkerMetrics):
         self.cfg = cfg
         self.backend = backend
         self.codec = codec
@@ -44,6 +44,7 @@ class Processor:
         self.responder = responder
         self.scheduler = scheduler
         self.flow = flow
+        self.recent = recent
         self.stats = stats
         self.metrics = metrics
         #: The backend calls running now: (tp, offset) → task.
@@ -51,20 +52,11 @@ class Processor:
         self._task_of: dict[str, tuple] = {}  # request id → key in tasks
         self._cancel_requested: set[tuple] = set()
         self._preempted: set[asyncio.Task] = set()
-        # Request ids answered recently by this worker: a re-submitted id is answered once.
-        self._seen: set[str] = set()
-        self._seen_order: deque[str] = deque()  # the same ids, oldest first (cheaper than an OrderedDict)
-        self._seen_max = cfg.dedupe_window
 
     def reset(self) -> None:
         self.tasks.clear()
         self._task_of.clear()
         self._preempted.clear()
-        self.forget_seen()
-
-    def forget_seen(self) -> None:
-        self._seen.clear()
-        self._seen_order.clear()
 
     # -- a chunk ---------------------------------------------------------------------------
 
@@ -91,30 +83,32 @@ class Processor:
                 responder.dead_letter(msg, (msg.topic(), msg.partition()), msg.offset(), exc.reason, str(exc))
         started = _now_ms()
         cancellations = self.session.cancellations
-        duplicate, partial = self.duplicate, functools.partial
-        # Answers go out in message order (a client waiting on a re-submitted id must see the
-        # first submission's answer first): message by message, either a deferred answer
-        # (a callable) or [msg, request, answer, its index] whose answer the backend stage
-        # fills in (or replaces by a FAILED one).
+        seen, partial = self.recent.check, functools.partial
+        # Answers go out in message order (a copy of a request answered in the same chunk is
+        # given that answer): message by message, either a deferred answer (a callable) or
+        # [msg, request, answer, its index] whose answer the backend stage fills in (or
+        # replaces by a FAILED one).
         outcomes: list = []
         runnable = []
         for msg, request in decoded:
+            tp, offset = (msg.topic(), msg.partition()), msg.offset()
             invalid = validate_request(request, started)
-            if invalid is None:
-                invalid = duplicate(request.request_id)
             if invalid is not None:
-                outcomes.append(partial(responder.reject, (msg.topic(), msg.partition()), msg.offset(), request,
-                                        invalid))
+                outcomes.append(partial(responder.reject, tp, offset, request, invalid))
+                continue
+            first = seen(request.request_id, (tp, offset))
+            if first is not None:
+                # Decided when its turn to be answered comes: the first may be answered by then.
+                outcomes.append(partial(responder.duplicate, tp, offset, request,
+                                        None if first is IN_FLIGHT else first))
                 continue
             if cancellations is not None:
                 cancelled = cancellations.reason(request.request_id)
                 if cancelled is not None:
-                    outcomes.append(partial(responder.cancelled, (msg.topic(), msg.partition()), msg.offset(),
-                                            request, started, cancelled))
+                    outcomes.append(partial(responder.cancelled, tp, offset, request, started, cancelled))
                     continue
             if request.created_at + request.timeout_ms <= started:
-                outcomes.append(partial(responder.expire, (msg.topic(), msg.partition()), msg.offset(), request,
-                                        started))
+                outcomes.append(partial(responder.expire, tp, offset, request, started))
                 continue
             entry = [msg, request, None, len(outcomes)]
             outcomes.append(entry)
@@ -173,18 +167,6 @@ class Processor:
         if run:
             completed_many(run, started)
 
-    def duplicate(self, request_id: str) -> str | None:
-        seen = self._seen
-        if request_id in seen:
-            return ("duplicate_request_id: this request id was already taken by this worker; the first "
-                    "submission is answered")
-        seen.add(request_id)
-        order = self._seen_order
-        order.append(request_id)
-        if len(order) > self._seen_max:
-            seen.discard(order.popleft())
-        return None
-
     # -- backend calls -----------------------------------------------------------------------
 
     async def _call(self, tp, offset: int, request: Request, started: int) -> None:
@@ -240,10 +222,10 @@ class Processor:
         self.tasks.pop(key, None)
         self._preempted.add(task)
         task.cancel()
-        # It is taken again when it runs again: not a second request, not a duplicate id.
+        # It is taken again when it runs again: not a second request. Its id stays in flight, so
+        # a copy arriving meanwhile waits for its answer.
         self.stats.consumed -= 1
         self._task_of.pop(request_id, None)
-        self._seen.discard(request_id)
         return True
 
     def hand_back(self, partitions: set) -> None:

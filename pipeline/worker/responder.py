@@ -25,6 +25,7 @@ from pipeline.models import BANDS, Request, Response, Status
 from pipeline.observability.metrics import WorkerMetrics, reason_code
 from pipeline.serde import RESPONSE_FIELDS, Codec
 from pipeline.worker.checkpoint import Checkpoint
+from pipeline.worker.dedupe import RecentRequests
 from pipeline.worker.state import Session, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def answer(request: Request, status: Status, worker_id: str, **fields) -> Respon
 
 class Responder:
     def __init__(self, settings: Settings, codec: Codec, worker_id: str, session: Session, checkpoint: Checkpoint,
-                 stats: WorkerStats, metrics: WorkerMetrics):
+                 recent: RecentRequests, stats: WorkerStats, metrics: WorkerMetrics):
         self.codec = codec
         self.wire = settings.serde.wire_format
         self.worker_id = worker_id
@@ -62,6 +63,7 @@ class Responder:
         self.dlq_topic = settings.topics.dlq
         self.session = session
         self.checkpoint = checkpoint
+        self.recent = recent
         self.stats = stats
         self.metrics = metrics
         # A dead letter has no decoded priority: its topic's band stands in.
@@ -70,11 +72,13 @@ class Responder:
     # -- the outcomes of a decoded request ---------------------------------------------------
 
     def reject(self, tp, offset: int, request: Request, reason: str) -> None:
+        """REJECTED for an invalid request. Not remembered as its id's answer: the id was never
+        taken, and a corrected request may carry it."""
         band = request.priority._value_
         self.stats.rejected += 1
         self.metrics.outcome(band, "rejected")
         self.metrics.rejections.labels(band, reason_code(reason)).inc()
-        self.respond(tp, offset, answer(request, Status.REJECTED, self.worker_id, reason=reason))
+        self.respond(tp, offset, answer(request, Status.REJECTED, self.worker_id, reason=reason), remember=False)
 
     def expire(self, tp, offset: int, request: Request, started: int) -> None:
         self.stats.expired += 1
@@ -102,6 +106,29 @@ class Responder:
         self.respond(tp, offset, answer(request, Status.FAILED, self.worker_id, reason=reason, started_at=started,
                                         model=request.model))
 
+    def duplicate(self, tp, offset: int, request: Request, first: tuple | None = None) -> None:
+        """A copy of an id taken before (see dedupe.py): the first answer's bytes again, or, the
+        first still in flight, nothing (its offset finishes: the first one's answer covers it).
+        ``first``: the first answer's ``(value, key)`` as known when the copy was checked.
+
+        Another tenant's request with that id is refused instead: the first answer is not its
+        to read. It still says nothing while the first runs, since clients wait for an id's
+        first answer, whoever it is keyed by."""
+        first = self.recent.answer_of(request.request_id) or first
+        if first is None:
+            self.stats.duplicates += 1
+            self.metrics.duplicates.labels("dropped").inc()
+            self.checkpoint.finished(tp, offset)
+            return
+        value, key = first
+        if key != request.tenant_id.encode():
+            self.reject(tp, offset, request, "duplicate_request_id: this request id was already taken by this "
+                                             "worker; the first submission is answered")
+            return
+        self.stats.duplicates += 1
+        self.metrics.duplicates.labels("repeated").inc()
+        self.emit(tp, offset, self.responses_topic, value, key, None)
+
     def completed_many(self, done: list, started: int, seconds: float = 0.0) -> None:
         """The COMPLETED answers of ``done`` ``(tp, offset, request, completion)``, the
         backend having taken ``seconds`` for each (0 for answers it gave at once)."""
@@ -112,6 +139,7 @@ class Responder:
             self.worker_id
         checkpoint = self.checkpoint
         hold = checkpoint.hold if checkpoint.exactly_once else None
+        remember = self.recent.answered if self.recent.window else None
         produce, delivered, partial = self.session.producer.produce, self._delivered, functools.partial
         completed = Status.COMPLETED
         for tp, offset, request, c in done:
@@ -126,6 +154,8 @@ class Responder:
             except EncodeError as exc:
                 value = self._fallback(Response(**dict(zip(RESPONSE_FIELDS, values))), f"response_too_large: {exc}")
             key = request.tenant_id.encode()
+            if remember is not None:
+                remember(request.request_id, (tp, offset), value, key)
             if hold is not None:
                 hold(tp, offset, (topic, value, key, None))
             else:
@@ -135,12 +165,15 @@ class Responder:
                 except (BufferError, KafkaException):  # queue full, or too large: the careful path
                     self.produce(topic, value, key, None, on_delivery)
 
-    def respond(self, tp, offset: int, response: Response) -> None:
+    def respond(self, tp, offset: int, response: Response, remember: bool = True) -> None:
         try:
             value = self.codec.encode_response(response, self.wire, self.responses_topic)
         except EncodeError as exc:
             value = self._fallback(response, f"response_too_large: {exc}")
-        self.emit(tp, offset, self.responses_topic, value, response.tenant_id.encode(), None)
+        key = response.tenant_id.encode()
+        if remember:
+            self.recent.answered(response.request_id, (tp, offset), value, key)
+        self.emit(tp, offset, self.responses_topic, value, key, None)
 
     def _fallback(self, response: Response, reason: str) -> bytes:
         log.warning("request %s answered FAILED: %s", response.request_id, reason)

@@ -24,6 +24,7 @@ class WorkerStats:
     delivery_retries: int = 0
     commits: int = 0
     skipped_done: int = 0  # redelivered messages already answered (listed in commit metadata)
+    duplicates: int = 0  # re-seen request ids: dropped while the first ran, else answered the same again
     rebalances: int = 0
     preempted: int = 0  # backend calls cancelled for a higher band's request (run again later)
     preempted_in_band: int = 0  # of those, calls of a tenant crowding its band (worker.fair_preemption)

@@ -287,9 +287,11 @@ def build_corpus() -> list[Case]:
              key=b"K" * 100_000, headers=[(f"h{i}", b"v" * 10) for i in range(500)] + [("none", None)]))
     rid, value = raw_request(tenant_id="tenant-dup")
     add(Case("duplicate_request_id_first", value, Answer(Status.COMPLETED), request_id=rid))
-    add(Case("duplicate_request_id_second", value, Answer(REQ, "duplicate_request_id"), request_id=rid))
+    # A copy is given the first answer again (see test_a_copy_is_given_the_first_answer_again).
+    add(Case("duplicate_request_id_second", value, Answer(Status.COMPLETED), request_id=rid))
     # Ids are deduplicated per worker, not per tenant: another tenant's request with an id
-    # already seen is rejected too (and its REJECTED answer carries that id).
+    # already seen is rejected (and its REJECTED answer carries its own tenant, not the first
+    # answer).
     rid, value = raw_request(tenant_id="tenant-first")
     add(Case("same_request_id_other_tenant_first", value, Answer(Status.COMPLETED), request_id=rid))
     add(_request_case("same_request_id_other_tenant_second", Answer(REQ, "duplicate_request_id",
@@ -506,6 +508,12 @@ def test_every_message_got_exactly_one_outcome(run: Run):
     assert len(run.letters) == sum(isinstance(c.expect, Dlq) for c in CASES)
     assert run.stats.consumed == len(CASES) + len(run.sentinels)
     assert run.stats.delivered == run.stats.consumed
+
+
+def test_a_copy_is_given_the_first_answer_again(run: Run):
+    rid = next(c.request_id for c in CASES if c.name == "duplicate_request_id_second")
+    first, copy = run.responses[rid]
+    assert copy == first  # the same bytes: started_at and finished_at included
 
 
 def test_the_sentinels_after_the_corpus_were_completed(run: Run):

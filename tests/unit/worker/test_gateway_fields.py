@@ -9,6 +9,7 @@ the fake producer and messages of the admission fuzzer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -89,9 +90,15 @@ def test_rejected_invalid_and_duplicate_carry_the_gateway_fields():
     _assert_gateway_fields(resp)
     req = _gateway_request()
     data = Codec.default().encode_request(req)
-    assert _run(worker, data, 1).status is Status.COMPLETED
-    resp = _run(worker, data, 2)
+    first = _run(worker, data, 1)
+    assert first.status is Status.COMPLETED
+    resp = _run(worker, data, 2)  # the copy is given the first answer, gateway fields and all
+    assert resp == first
+    _assert_gateway_fields(resp)
+    # another tenant's request with that id is refused, with its own gateway fields
+    resp = _run(worker, dataclasses.replace(req, tenant_id="tenant-other"), 3)
     assert resp.status is Status.REJECTED and resp.reason.startswith("duplicate_request_id")
+    assert resp.tenant_id == "tenant-other"
     _assert_gateway_fields(resp)
 
 
@@ -175,9 +182,11 @@ def test_completed_response_over_the_caps_is_answered_failed():
 
 def test_duplicate_ids_are_remembered_for_the_dedupe_window_only():
     worker = make_worker()
-    worker.processor._seen_max = 3
-    ids = [f"id-{i}" for i in range(5)]
-    assert all(worker.processor.duplicate(i) is None for i in ids)
-    assert worker.processor.duplicate("id-4").startswith("duplicate_request_id")  # within the window
-    assert worker.processor.duplicate("id-0") is None  # pushed out by newer ids: taken again
-    assert len(worker.processor._seen) == len(worker.processor._seen_order) == 3
+    worker.recent.window = 3
+    reqs = [_gateway_request() for _ in range(5)]
+    firsts = [_run(worker, r, i) for i, r in enumerate(reqs)]
+    assert _run(worker, reqs[4], 5) == firsts[4]  # within the window: the first answer again
+    assert worker.stats.duplicates == 1
+    _run(worker, reqs[0], 6)  # pushed out by newer answers: taken again, run again
+    assert worker.stats.duplicates == 1 and worker.stats.completed == 6
+    assert len(worker.recent) == 3
