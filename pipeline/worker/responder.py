@@ -21,11 +21,12 @@ from confluent_kafka import KafkaError, KafkaException
 from pipeline.config import Settings
 from pipeline.dlq import H_TRUNCATED, dead_letter_headers
 from pipeline.errors import BackendError, EncodeError, KafkaOperationError
-from pipeline.models import BANDS, Request, Response, Status
+from pipeline.models import Request, Response, Status
 from pipeline.observability.metrics import WorkerMetrics, reason_code
 from pipeline.serde import RESPONSE_FIELDS, Codec
 from pipeline.worker.checkpoint import Checkpoint
 from pipeline.worker.dedupe import RecentRequests
+from pipeline.worker.scheduler import topic_bands
 from pipeline.worker.state import Session, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class Responder:
         self.stats = stats
         self.metrics = metrics
         # A dead letter has no decoded priority: its topic's band stands in.
-        self._topic_band = {settings.topics.request_topic(p): p.value for p in BANDS}
+        self._topic_band = {topic: band.value for topic, band in topic_bands(settings).items()}
 
     # -- the outcomes of a decoded request ---------------------------------------------------
 

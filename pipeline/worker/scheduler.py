@@ -22,12 +22,12 @@ from pipeline.worker.backlog import PartitionQueues
 from pipeline.worker.state import WorkerStats
 
 
-def band_ranks(settings: Settings) -> dict[str, int]:
-    """Topic → band rank, for the request topics and the gateway's dispatch topics."""
+def topic_bands(settings: Settings) -> dict[str, Priority]:
+    """Topic → band, for the request topics and the gateway's dispatch topics."""
     topics = settings.topics
-    ranks = {topics.request_topic(p): p.rank for p in BANDS}
-    ranks.update({topics.dispatch_topic(p): p.rank for p in BANDS})
-    return ranks
+    bands = {topics.request_topic(p): p for p in BANDS}
+    bands.update({topics.dispatch_topic(p): p for p in BANDS})
+    return bands
 
 
 class Scheduler:
@@ -36,7 +36,7 @@ class Scheduler:
         self.cfg = cfg
         self.stats = stats
         self.metrics = metrics
-        self.rank = band_ranks(settings)
+        self.rank = {topic: band.rank for topic, band in topic_bands(settings).items()}
         self.bands = BandScheduler([cfg.band_min_share.get(p.value, 0.0) for p in BANDS])
         self.queues = [PartitionQueues() for _ in BANDS]
         #: Per partition. A partition whose queue is full is paused (flow.py), so librdkafka's

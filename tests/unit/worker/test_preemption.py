@@ -247,3 +247,23 @@ def test_appendleft_puts_an_item_back_first_in_line():
 def test_only_bands_below_one_the_pool_consumes_are_preemptible(pool, preemptible):
     worker = make_worker(pool=pool)
     assert {p.value for p in Priority if p.rank in worker.scheduler.preemptible} == preemptible
+
+
+@pytest.mark.parametrize("source", ["requests", "dispatch"])
+def test_a_message_waits_in_the_band_of_its_topic_whichever_the_source(source):
+    worker = make_worker(source=source, pool="all")
+    topics = worker.settings.topics
+    for band in Priority:
+        topic = (topics.dispatch_topic if source == "dispatch" else topics.request_topic)(band)
+        assert topic in worker.topics
+        worker.scheduler.add((topic, 0), object())
+        assert worker.scheduler.queues[band.rank].size == 1
+    assert {p.value for p in Priority if p.rank in worker.scheduler.preemptible} == {"LOW", "BACKGROUND"}
+
+
+def test_a_dead_letter_is_counted_under_its_topics_band_dispatch_topics_too():
+    worker = make_worker(source="dispatch")
+    topic = worker.settings.topics.dispatch_topic(Priority.HIGH)
+    worker._handle(FakeMessage(topic, 0, 0, b"\x00not a request"))
+    assert worker.metrics.requests.labels("HIGH", "dead_lettered").value == 1
+    assert worker.producer.sent[-1].topic() == worker.dlq_topic
