@@ -136,7 +136,6 @@ class Engine:
         if seq.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         self.waiting.append(seq)
-        self.max_waiting_seen = max(self.max_waiting_seen, len(self.waiting))
 
     def abort(self, seq: Sequence) -> None:
         """The client went away: the sequence leaves the queue or the batch at once."""
@@ -174,6 +173,9 @@ class Engine:
         :meth:`finish_step` then (a sequence aborted meanwhile is skipped).
         """
         joined = self._admit(now)
+        # Queued for real: still waiting once the step took whom it could (a request that
+        # arrived during a step waits for its end however free the slots are).
+        self.max_waiting_seen = max(self.max_waiting_seen, len(self.waiting))
         if not self.running:
             return None
         self.steps += 1

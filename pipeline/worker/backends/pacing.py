@@ -7,12 +7,14 @@ start now and keeps the rest in its own queues, in priority order. Two ways to k
 what a server can start:
 
 * **its metrics** (vLLM's ``vllm:num_requests_running``/``num_requests_waiting`` and
-  ``kv_cache_usage_perc``): the calls it can start now are its free slots,
-  ``capacity - running - waiting``, less the calls started since the sample was taken.
+  ``kv_cache_usage_perc``): llmq's own calls are counted exactly, so a sample only says
+  what the server's *other* clients hold (``running + waiting`` less what llmq had in
+  flight when the sample was taken), and the limit is ``capacity - others``.
   ``capacity`` (slots, across every client of the server) is learned: while requests
-  wait it is exactly ``running``; while none wait and every known slot is busy it is
-  probed one above. A sample older than ``metrics_stale_s`` is not trusted (llm-d's
-  routers guard against stale metrics the same way) and the limit below takes over;
+  wait (at two samples in a row) it is exactly ``running``; while none wait and every
+  known slot is busy it is probed one above. A full KV cache starts nothing more. A
+  sample older than ``metrics_stale_s`` is not trusted (llm-d's routers guard against
+  stale metrics the same way) and the limit below takes over;
 * **time to first token** otherwise, AIMD as in TCP: the limit grows by one per limit's
   worth of first tokens that come near the lowest TTFT seen (and only while the limit is
   what holds calls back), and is cut by ``decrease`` when a first token takes more than
@@ -123,7 +125,13 @@ class ServerPacer:
         self.in_flight = 0
         self.load: ServerLoad | None = None
         self.capacity = config.initial_limit
-        self._starts: deque[float] = deque()
+        #: What the last sample says the server's other clients have running or waiting.
+        self.others = 0.0
+        self._waited = False
+        # (time, in_flight after it) of every start and finish since the last sample, so the
+        # next sample can be compared with what llmq itself had in flight when it was taken.
+        self._history: deque[tuple[float, int]] = deque()
+        self._in_flight_before = 0
 
     def metrics_fresh(self, now: float | None = None) -> bool:
         now = self.clock() if now is None else now
@@ -141,13 +149,11 @@ class ServerPacer:
             return cfg.max_limit
         now = self.clock() if now is None else now
         if self.metrics_fresh(now):
-            load = self.load
-            # a start at the sample's own instant may not be in it: count it (the safe side)
-            started_since = sum(1 for t in self._starts if t >= load.at)
-            headroom = self.capacity - load.running - load.waiting - started_since
-            if load.kv_usage is not None and load.kv_usage >= cfg.kv_high:
-                headroom = min(headroom, 0)
-            return int(min(cfg.max_limit, self.in_flight + max(0, math.floor(headroom))))
+            limit = math.floor(self.capacity - self.others)
+            kv = self.load.kv_usage
+            if kv is not None and kv >= cfg.kv_high:
+                limit = min(limit, self.in_flight)
+            return int(min(cfg.max_limit, max(0, limit)))
         return int(min(cfg.max_limit, max(cfg.min_limit, math.floor(self.aimd.limit))))
 
     def available(self, now: float | None = None) -> int:
@@ -156,25 +162,37 @@ class ServerPacer:
     def start(self, now: float) -> Slot:
         self.in_flight += 1
         at_limit = self.in_flight >= self.limit(now)
-        if self.load is not None:
-            self._starts.append(now)
+        self._history.append((now, self.in_flight))
         return Slot(None, now, at_limit)
 
     def finish(self, slot: Slot) -> None:
         self.in_flight -= 1
+        self._history.append((self.clock(), self.in_flight))
+
+    def _in_flight_at(self, at: float) -> int:
+        value = self._in_flight_before
+        while self._history and self._history[0][0] <= at:
+            value = self._history.popleft()[1]
+        self._in_flight_before = value
+        return value
 
     def observe_load(self, load: ServerLoad | None) -> None:
+        ours = self._in_flight_at(load.at if load is not None else self.clock())
         if load is None:
             self.load = None
-            self._starts.clear()
             return
-        if load.waiting > 0:
-            self.capacity = max(1, int(load.running))  # every slot busy: that is how many there are
-        elif load.running >= self.capacity:
+        if load.waiting > 0 and self._waited:
+            # Requests waited at two samples in a row: every slot is busy, so that is how many
+            # there are. (One sample is not enough: a request waits until the next engine step
+            # even with a slot free.)
+            self.capacity = max(1, int(load.running))
+        elif load.waiting == 0 and load.running >= self.capacity:
             self.capacity = int(load.running) + 1  # full and nobody waits: probe one slot more
+        self._waited = load.waiting > 0
+        # Calls of ours on their way when the sample was taken are not in it: "others" may
+        # come out low by those, never high, and clamping at zero makes it exact for one client.
+        self.others = max(0.0, load.running + load.waiting - ours)
         self.load = load
-        while self._starts and self._starts[0] < load.at:
-            self._starts.popleft()
 
 
 class PacingGate:

@@ -132,14 +132,28 @@ def test_metrics_size_the_limit_to_running_plus_free_slots():
     pacer = ServerPacer(PacingConfig(initial_limit=4), clock)
     for _ in range(3):
         pacer.start(clock.now)
-    pacer.observe_load(ServerLoad(running=8, waiting=2, kv_usage=0.5, at=clock.now))  # full: 8 slots
-    assert pacer.capacity == 8 and pacer.mode == "metrics"
+    clock.now = 0.1
+    # 3 of ours and 5 of other clients' running, 2 waiting, twice: the server has 8 slots
+    pacer.observe_load(ServerLoad(running=8, waiting=2, kv_usage=0.5, at=clock.now))
+    pacer.observe_load(ServerLoad(running=8, waiting=2, kv_usage=0.5, at=clock.now))
+    assert pacer.capacity == 8 and pacer.mode == "metrics" and pacer.others == 7
     assert pacer.available() == 0
-    pacer.observe_load(ServerLoad(running=5, waiting=0, kv_usage=0.5, at=clock.now))
-    assert pacer.limit() == 3 + 3 and pacer.available() == 3
+    pacer.observe_load(ServerLoad(running=5, waiting=0, kv_usage=0.5, at=clock.now))  # others: 2 left
+    assert pacer.limit() == 6 and pacer.available() == 3
     clock.now += 0.01
-    pacer.start(clock.now)  # not in the sample yet: counted against the free slots
+    pacer.start(clock.now)  # counted at once, without waiting for a sample
     assert pacer.available() == 2
+
+
+def test_calls_on_their_way_when_a_sample_is_taken_do_not_count_twice():
+    clock = Clock()
+    pacer = ServerPacer(PacingConfig(initial_limit=4), clock)
+    pacer.start(0.0)
+    pacer.start(0.0)
+    clock.now = 0.05
+    # The sample was taken at 0.04 when both were in flight but only one had reached the server.
+    pacer.observe_load(ServerLoad(running=1, waiting=0, kv_usage=None, at=0.04))
+    assert pacer.others == 0 and pacer.available() == 2
 
 
 def test_a_full_kv_cache_starts_nothing_more():
@@ -156,6 +170,14 @@ def test_a_full_server_nobody_waits_for_is_probed_one_slot_above():
     assert pacer.capacity == 5
     pacer.observe_load(ServerLoad(running=5, waiting=1, kv_usage=None, at=0.0))
     assert pacer.capacity == 5
+
+
+def test_capacity_is_learned_from_requests_waiting_at_two_samples_in_a_row():
+    pacer = ServerPacer(PacingConfig(initial_limit=8), Clock())
+    pacer.observe_load(ServerLoad(running=0, waiting=3, kv_usage=None, at=0.0))  # not yet scheduled
+    assert pacer.capacity == 8
+    pacer.observe_load(ServerLoad(running=6, waiting=2, kv_usage=None, at=0.05))  # still waiting: full
+    assert pacer.capacity == 6
 
 
 def test_a_stale_sample_hands_over_to_the_ttft_limit():
@@ -201,3 +223,14 @@ def test_an_overload_answer_cuts_the_limit():
     slot = gate.try_acquire("s")
     gate.overloaded(slot)
     assert gate.limit("s") == 5
+
+
+def test_a_call_that_ends_after_the_sample_frees_its_slot_at_once():
+    clock = Clock()
+    pacer = ServerPacer(PacingConfig(initial_limit=4), clock)
+    slots = [pacer.start(clock.now) for _ in range(4)]
+    clock.now = 0.1
+    pacer.observe_load(ServerLoad(running=4, waiting=0, kv_usage=None, at=0.1))  # probes to 5
+    assert pacer.available() == 1
+    pacer.finish(slots[0])
+    assert pacer.available() == 2  # not waiting for the next sample to see the free slot
