@@ -82,8 +82,8 @@ class OpenAIBackend:
     def __init__(self, base_url: str | None = None, api_key: str = "", *, routes: RoutingTable | None = None,
                  timeout_s: float = 60.0, max_attempts: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  max_connections: int = 64, pacing: PacingConfig | None = PacingConfig(),
-                 stream_completions: bool = True, params: Mapping[str, Any] | None = None,
-                 connect_timeout_s: float = 5.0):
+                 stream_completions: bool = True, prefer_real_usage: bool = True,
+                 params: Mapping[str, Any] | None = None, connect_timeout_s: float = 5.0):
         if routes is None:
             if not base_url:
                 raise ValueError("OpenAIBackend needs a base_url or a routing table")
@@ -96,6 +96,9 @@ class OpenAIBackend:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.stream_completions = stream_completions
+        # A server whose streams carry no usage is asked for whole answers by complete(): its
+        # usage is then real, but a cancelled whole answer may not stop its generation.
+        self.prefer_real_usage = prefer_real_usage
         self.params = dict(params or {})
         self.gate = PacingGate(pacing or PacingConfig(adaptive=False, max_limit=max_connections,
                                                       initial_limit=max_connections))
@@ -197,7 +200,8 @@ class OpenAIBackend:
             if timeout <= 0:
                 raise _Failure("the request's deadline passed before the model answered", retriable=False)
             ends = time.monotonic() + timeout
-            stream = call.stream and not call.plain and (call.always_stream or server.stream_usage is not False)
+            stream = call.stream and not call.plain and (
+                call.always_stream or not self.prefer_real_usage or server.stream_usage is not False)
             call.body = chat_body(call.request, stream=stream, defaults=self.params)
             request = self._client.build_request(
                 "POST", server.base_url + "/chat/completions", json=call.body,

@@ -176,3 +176,26 @@ def test_a_cancelled_stream_leaves_the_simulators_batch():
 
     before, after, disconnects = asyncio.run(go())
     assert (before, after, disconnects) == (1, 0, 1)
+
+
+def test_a_cancelled_whole_answer_leaves_the_simulators_batch_too():
+    # What a worker does to a call it preempts for a higher band's request.
+    async def go():
+        async with _sim(slots=2, ms_per_token=10) as sim:
+            backend = OpenAIBackend(sim.base_url)
+            task = asyncio.create_task(backend.complete(Request.new("t", "long", model="sim-small",
+                                                                    max_tokens=400)))
+            try:
+                deadline = time.monotonic() + 5
+                while sim.engine.num_running == 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                deadline = time.monotonic() + 2
+                while sim.engine.num_running and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                return sim.engine.num_running, sim.disconnects, backend.server_state()[0]["in_flight"]
+            finally:
+                await backend.close()
+
+    assert asyncio.run(go()) == (0, 1, 0)
