@@ -14,6 +14,7 @@ at a time), pause or resume partitions, serve delivery reports, commit when due.
 * responder.py — publishing each request's one outcome (response or dead letter);
 * checkpoint.py — contiguous offsets, commits, exactly-once transactions;
 * flow.py — pausing and resuming partitions, max in flight;
+* dedupe.py — request ids seen again: dropped while the first runs, else answered the same;
 * state.py — the counters and the session's clients the parts share.
 """
 
