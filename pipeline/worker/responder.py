@@ -141,7 +141,9 @@ class Responder:
         checkpoint = self.checkpoint
         hold = checkpoint.hold if checkpoint.exactly_once else None
         remember = self.recent.answered if self.recent.window else None
-        produce, delivered, partial = self.session.producer.produce, self._delivered, functools.partial
+        # Exactly-once, the producer is not needed here (and is None once abandoned).
+        produce = self.session.producer.produce if hold is None else None
+        delivered, partial = self._delivered, functools.partial
         completed = Status.COMPLETED
         for tp, offset, request, c in done:
             # RESPONSE_FIELDS order; the gateway fields are copied as answer() copies them.

@@ -123,3 +123,14 @@ def test_a_backend_that_raises_at_once_fails_only_that_request_in_its_place():
         (reqs[2].request_id, Status.COMPLETED)]
     assert responses[1].reason == "backend_error: RuntimeError: simulated bug"
     assert worker.tracker.to_commit() == [((msgs[0].topic(), 0), 3)]
+
+
+def test_exactly_once_answers_are_held_even_once_the_producer_was_abandoned():
+    # A call that ends after its producer was abandoned in a stuck transactional call: its answer
+    # waits for a transaction like any other (the restart drops it), nothing raises.
+    worker = make_worker(delivery="exactly-once")
+    worker.producer = None
+    req = Request.new("tenant", "late", priority=Priority.NORMAL)
+    _take_all(worker, [_msg(worker, 0, req)])
+    worker._dispatch()
+    assert list(worker.checkpoint.ready[(worker.settings.topics.request_topic(Priority.NORMAL), 0)]) == [0]
