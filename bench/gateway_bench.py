@@ -114,7 +114,8 @@ def _topic_env(settings: Settings) -> dict[str, str]:
     return {"LLMQ_BOOTSTRAP": settings.kafka.bootstrap, "LLMQ_TOPICS__PREFIX": t.prefix,
             "LLMQ_TOPICS__DISPATCH_PARTITIONS": str(t.dispatch_partitions),
             "LLMQ_TOPICS__REQUEST_PARTITIONS": str(t.request_partitions),
-            "LLMQ_TOPICS__RESPONSE_PARTITIONS": str(t.response_partitions)}
+            "LLMQ_TOPICS__RESPONSE_PARTITIONS": str(t.response_partitions),
+            "LLMQ_WORKER__GROUP_ID": settings.worker.group_id}
 
 
 class WorkerProcess:

@@ -108,6 +108,9 @@ class GatewaySettings:
         "CRITICAL": 10_000, "HIGH": 20_000, "NORMAL": 50_000, "LOW": 100_000, "BACKGROUND": 200_000})
     #: How often the band depths and rates are read from the dispatch topics' offsets.
     depth_refresh_ms: int = 500
+    #: The consumer groups of the workers behind the gateway, whose commits on the dispatch topics
+    #: drain the queues; [] = the groups [worker] names (worker.group_id, or llmq-pool-<pool>).
+    worker_groups: list[str] = field(default_factory=list)
     #: The server's longest deadline: a client may shorten it, never extend it.
     max_timeout_ms: int = 600_000
     #: Graceful degradation at or above this load: simple requests that allow it get a smaller model.

@@ -102,6 +102,12 @@ class WorkerSettings:
     source: str = "requests"
 
 
+    def group_ids(self) -> list[str]:
+        """Every consumer group a worker of these settings may join, whatever its pool."""
+        if self.group_id != WorkerSettings.group_id:
+            return [self.group_id]
+        return [self.group_id, *(f"llmq-pool-{pool}" for pool in DEFAULT_POOLS if pool != "all")]
+
     def effective_group_id(self) -> str:
         if self.pool != "all" and self.group_id == WorkerSettings.group_id:
             return f"llmq-pool-{self.pool}"

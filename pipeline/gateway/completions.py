@@ -35,19 +35,19 @@ class Completions:
     def handle(self, event) -> None:
         msg = event.message
         try:
-            self._handle(msg.value)
+            self._handle(msg.value, msg.partition)
         except Exception:  # noqa: BLE001 (a response the gateway cannot count is still the client's)
             log.exception("counting the completion %s[%d]@%d failed", msg.topic, msg.partition, msg.offset)
         self.checkpoint.after_write(event, [])
 
-    def _handle(self, value: bytes) -> None:
+    def _handle(self, value: bytes, partition: int) -> None:
         try:
             resp = self.codec.decode_response(value)
         except DecodeError:
             return  # the response topic's readers dead-letter nothing: not ours to judge
         if not resp.status.is_terminal or resp.admitted_at is None or resp.served_priority is None:
             return  # progress events, and answers to requests no gateway dispatched
-        seen = self.seen.finished(resp.request_id)
+        seen = self.seen.finished(resp.request_id, partition)
         if seen is None and self.seen.get(resp.request_id) is not None:
             return  # counted already
         state = self.tenants.get(resp.tenant_id)

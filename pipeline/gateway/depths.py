@@ -2,8 +2,8 @@
 
 Every gateway instance reads the same numbers, so queue caps, positions, ETAs and the load are
 global however many gateways run. Per band: the end offsets of its dispatch partitions minus
-what the workers committed there (the consumer groups that commit on a dispatch topic; a
-partition nobody committed yet counts from its first offset). The sums of end and of committed
+what the workers committed there (``gateway.worker_groups``; a partition no worker committed
+yet counts from its first offset). The sums of end and of committed
 offsets are the arrival and drain totals (:meth:`pipeline.policy.queues.QueueModel.observe`).
 
 The admin calls block, so they run on a thread of their own; each reading is handed to the event
@@ -39,16 +39,14 @@ class DispatchDepths:
     """Reads the dispatch topics' depths every ``interval_s`` and calls ``deliver(reading)``."""
 
     def __init__(self, settings: Settings, deliver: Callable[[Reading], None], interval_s: float = 0.5,
-                 groups_every_s: float = 10.0, timeout_s: float = 5.0):
+                 timeout_s: float = 5.0):
         self.topics = {settings.topics.dispatch_topic(p): p.rank for p in BANDS}
         self.partitions = settings.topics.dispatch_partitions
         self.deliver = deliver
         self.interval_s = interval_s
-        self.groups_every_s = groups_every_s
         self.timeout_s = timeout_s
         self.admin = AdminClient(settings.kafka.admin_config())
-        self._groups: list[str] = []
-        self._groups_at = 0.0
+        self.groups = list(settings.gateway.worker_groups or settings.worker.group_ids())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmq-gateway-depths", daemon=True)
         self._warned = False
@@ -94,27 +92,14 @@ class DispatchDepths:
         return {(tp.topic, tp.partition): fut.result().offset for tp, fut in futures.items()}
 
     def _committed(self) -> dict[tuple[str, int], int]:
-        """The furthest commit of any group on each dispatch partition (one pool reads a band)."""
-        now = time.monotonic()
-        if now - self._groups_at > self.groups_every_s:
-            groups = self.admin.list_consumer_groups(request_timeout=self.timeout_s).result()
-            self._groups = sorted(g.group_id for g in groups.valid)
-            self._groups_at = now
+        """The furthest commit of the worker groups on each dispatch partition (one pool reads a band)."""
+        requests = [ConsumerGroupTopicPartitions(group) for group in self.groups]
         out: dict[tuple[str, int], int] = {}
-        keep = []
-        for group in self._groups:
-            futures = self.admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)],
-                                                             request_timeout=self.timeout_s)
-            reads_dispatch = False
+        for request in requests:
+            futures = self.admin.list_consumer_group_offsets([request], request_timeout=self.timeout_s)
             for fut in futures.values():
                 for tp in fut.result().topic_partitions:
                     if tp.topic in self.topics and tp.offset >= 0:
-                        reads_dispatch = True
                         key = (tp.topic, tp.partition)
                         out[key] = max(out.get(key, 0), tp.offset)
-            if reads_dispatch:
-                keep.append(group)
-        if keep or not out:
-            # Only the groups that read the dispatch topics are asked again until the next look.
-            self._groups = keep or self._groups
         return out

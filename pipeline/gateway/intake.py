@@ -77,7 +77,7 @@ class Intake:
         if decision.action is Action.DISPATCH:
             self.tenants.changed(req.tenant_id)
             band = decision.band
-            self.seen.add(req.request_id, Seen(source, req.tenant_id, now, band.rank, decision.model or "",
+            self.seen.add(req.request_id, msg.partition, Seen(source, req.tenant_id, now, band.rank, decision.model or "",
                                                decision.charged_tokens, decision.degraded_from or "", in_flight=True))
             m.outcome(req.priority.value, "admitted")
             if decision.degraded_from is not None:
@@ -93,7 +93,7 @@ class Intake:
                     degraded=req.degraded_from is not None)))
             return
         status = _STATUS[decision.action]
-        self.seen.add(req.request_id, Seen(source, req.tenant_id, now, status=status.value,
+        self.seen.add(req.request_id, msg.partition, Seen(source, req.tenant_id, now, status=status.value,
                                            reason=decision.reason or "", retry_after_ms=decision.retry_after_ms or 0,
                                            served=decision.band.rank if decision.band is not None else -1))
         m.outcome(req.priority.value, _OUTCOME[status])

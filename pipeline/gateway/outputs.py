@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import deque
 from typing import Callable
 
 from confluent_kafka import KafkaException, Producer
@@ -50,6 +51,9 @@ class Outputs:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_failure = on_failure
         self.failed: list[str] = []
+        # Delivered outputs, handed to the event loop once per poll: waking the loop for each
+        # one costs it a system call per output.
+        self._delivered: deque[Done] = deque()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, args=(poll_s,), name="llmq-gateway-deliveries",
                                         daemon=True)
@@ -59,14 +63,11 @@ class Outputs:
         self._thread.start()
 
     def send(self, topic: str, value: bytes, key: bytes | None, done: Done, headers=None) -> None:
-        def delivered(err, msg) -> None:  # on the delivery thread
-            try:
-                if err is None:
-                    self.loop.call_soon_threadsafe(done.one)
-                else:
-                    self.loop.call_soon_threadsafe(self._refused, f"{msg.topic()}: {err.str()}")
-            except RuntimeError:  # the loop is closed: the process is going, uncommitted work is redone
-                pass
+        def delivered(err, msg) -> None:  # on the delivery thread, inside poll()
+            if err is None:
+                self._delivered.append(done)
+            else:
+                self._call(self._refused, f"{msg.topic()}: {err.str()}")
 
         while True:
             try:
@@ -86,6 +87,19 @@ class Outputs:
     def _serve(self, poll_s: float) -> None:
         while not self._stop.is_set():
             self.producer.poll(poll_s)
+            if self._delivered:
+                self._call(self._acknowledge)
+
+    def _acknowledge(self) -> None:  # on the event loop
+        delivered = self._delivered
+        while delivered:
+            delivered.popleft().one()
+
+    def _call(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the process is going, uncommitted work is redone
+            pass
 
     def close(self, timeout_s: float = 30.0) -> int:
         """Deliver what is queued (acknowledging it), then stop; returns what was left undelivered."""
@@ -93,6 +107,7 @@ class Outputs:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)
+        self._acknowledge()
         if left:
             log.error("%d gateway outputs were not delivered at shutdown; their requests are admitted again "
                       "after the restart", left)

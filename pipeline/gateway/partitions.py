@@ -3,9 +3,10 @@
 Everything the gateway keeps about a tenant is keyed by the tenant, hashed the way Java clients
 and llmq's producers hash record keys (murmur2): its requests, responses and state records all
 sit in the partition numbered ``murmur2(tenant) % partitions``, and Faust's assignor hands a
-partition number of these co-partitioned topics to one gateway. Table keys that hold more than
-the tenant (``tenant<US>...``) are hashed on the tenant part alone (:func:`partitioner`, Faust's
-``producer_partitioner`` setting), so they land beside the tenant's other records.
+partition number of these co-partitioned topics to one gateway. Table keys that name their partition
+outright (:func:`partition_key`: a NUL byte, the partition number, a unit separator) go to that
+partition (:func:`partitioner`, Faust's ``producer_partitioner`` setting): records about a whole
+partition's requests, such as the ids seen there.
 """
 
 from __future__ import annotations
@@ -13,18 +14,36 @@ from __future__ import annotations
 from aiokafka.partitioner import murmur2
 
 _US = b"\x1f"
+_NUL = b"\x00"
 
 
 def tenant_partition(tenant_key: bytes, partitions: int) -> int:
     return (murmur2(tenant_key) & 0x7FFFFFFF) % partitions
 
 
+def partition_key(partition: int, suffix: bytes) -> bytes:
+    """A table key that :func:`partitioner` sends to ``partition`` (tenant ids have no NUL)."""
+    return b"%s%d%s%s" % (_NUL, partition, _US, suffix)
+
+
+def key_partition(key: bytes) -> int | None:
+    """The partition a :func:`partition_key` names, else None."""
+    if not key.startswith(_NUL):
+        return None
+    try:
+        return int(key[1:key.index(_US)])
+    except ValueError:
+        return None
+
+
 def partitioner(key: bytes | None, all_partitions: list[int], available: list[int]) -> int:
-    """Faust's producer partitioner: murmur2 of the key up to its first unit separator."""
+    """Faust's producer partitioner: the partition a key names, else murmur2 of the key (the tenant)."""
     if key is None:
         return (available or all_partitions)[0]
-    cut = key.find(_US)
-    return all_partitions[tenant_partition(key if cut < 0 else key[:cut], len(all_partitions))]
+    named = key_partition(key)
+    if named is not None:
+        return all_partitions[named % len(all_partitions)]
+    return all_partitions[tenant_partition(key, len(all_partitions))]
 
 
 class Ownership:
@@ -37,5 +56,5 @@ class Ownership:
     def assigned(self, request_partitions: set[int]) -> None:
         self.active = frozenset(request_partitions)
 
-    def owns(self, tenant_key: bytes) -> bool:
-        return tenant_partition(tenant_key, self.partitions) in self.active
+    def owns(self, partition: int) -> bool:
+        return partition in self.active

@@ -1,10 +1,10 @@
 """The request ids the gateway saw recently, so that a re-submitted id is answered once.
 
-In memory: request id → :class:`Seen` (where the request came from, and what the completion
-needs to settle: its band, model and charged tokens), for ``horizon_ms``. Durable: a Faust table
-with one record per tenant and flush (key ``tenant<US>flush-ms``, value the ids first seen in
-that flush), written when the tenants' records are, and read back into memory after every
-rebalance. Its changelog deletes records after twice the horizon; the gateway deletes the ones
+In memory: request id → :class:`Seen` (where the request came from, what was decided, and what
+the completion needs to settle: its band, model and charged tokens), for ``horizon_ms``. Durable:
+a Faust table with one record per request partition and flush (its key names the partition, see
+:func:`pipeline.gateway.partitions.partition_key`; its value is the ids first seen there in that
+flush), written when the tenants' records are, and read back into memory after every rebalance. Its changelog deletes records after twice the horizon; the gateway deletes the ones
 of its own partitions as they pass the horizon.
 
 A request redelivered after a crash comes from the same offset as its first copy: it is not a
@@ -16,9 +16,7 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from pipeline.gateway.partitions import Ownership
-
-_US = "\x1f"
+from pipeline.gateway.partitions import Ownership, key_partition, partition_key
 
 
 class Seen(NamedTuple):
@@ -43,36 +41,38 @@ class RecentIds:
         self.horizon_ms = horizon_ms
         self._ids: dict[str, Seen] = {}
         self._order: deque[tuple[int, str]] = deque()  # (at_ms, id), oldest first
-        self._new: dict[str, list] = {}  # tenant → [[id, *Seen], ...] first seen since the last flush
+        self._new: dict[int, list] = {}  # partition → [[id, *Seen], ...] first seen since the last flush
         self._written: deque[tuple[int, bytes]] = deque()  # (flush ms, key) of this gateway's partitions
+        self._stamp = 0  # the last flush's key stamp: two flushes in one millisecond get two keys
 
     def get(self, request_id: str) -> Seen | None:
         return self._ids.get(request_id)
 
-    def add(self, request_id: str, seen: Seen) -> None:
+    def add(self, request_id: str, partition: int, seen: Seen) -> None:
         if request_id in self._ids:
             return
         self._ids[request_id] = seen
         self._order.append((seen.at_ms, request_id))
-        self._new.setdefault(seen.tenant, []).append([request_id, *seen])
+        self._new.setdefault(partition, []).append([request_id, *seen])
 
-    def finished(self, request_id: str) -> Seen | None:
+    def finished(self, request_id: str, partition: int) -> Seen | None:
         """The terminal response of a dispatched request came back: what it was charged, once."""
         seen = self._ids.get(request_id)
         if seen is None or not seen.in_flight:
             return None
         self._ids[request_id] = seen._replace(in_flight=False)
-        self._new.setdefault(seen.tenant, []).append([request_id])  # a one-field entry: "finished"
+        self._new.setdefault(partition, []).append([request_id])  # a one-field entry: "finished"
         return seen
 
     def flush(self, now_ms: int) -> int:
         """Write the ids first seen since the last flush; forget (and delete) the ones past the horizon."""
         new, self._new = self._new, {}
         table = self.table
-        for tenant, entries in new.items():
-            key = f"{tenant}{_US}{now_ms}".encode()
+        self._stamp = stamp = max(now_ms, self._stamp + 1)
+        for partition, entries in new.items():
+            key = partition_key(partition, b"%d" % stamp)
             table[key] = entries
-            self._written.append((now_ms, key))
+            self._written.append((stamp, key))
         horizon = now_ms - self.horizon_ms
         ids, order = self._ids, self._order
         while order and order[0][0] < horizon:
@@ -95,8 +95,8 @@ class RecentIds:
         horizon = now_ms - self.horizon_ms
         restored, owned, finished = [], [], set()
         for key, entries in list(self.table.items()):
-            tenant_key, flushed = _parts(key)
-            if self.ownership.owns(tenant_key):
+            partition, flushed = key_partition(key), _flushed(key)
+            if partition is not None and self.ownership.owns(partition):
                 owned.append((flushed, key))
             for entry in entries or ():
                 if isinstance(entry, list) and len(entry) == 1:
@@ -119,10 +119,9 @@ class RecentIds:
         return len(self._ids)
 
 
-def _parts(key: bytes) -> tuple[bytes, int]:
-    """(tenant, flush ms) of a record key; a key of another form counts as long expired."""
-    tenant, _, flushed = key.rpartition(b"\x1f")
+def _flushed(key: bytes) -> int:
+    """When a record was written; a key of another form counts as long expired."""
     try:
-        return tenant, int(flushed)
+        return int(key.rpartition(b"\x1f")[2])
     except ValueError:
-        return tenant, 0
+        return 0

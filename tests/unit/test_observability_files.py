@@ -51,7 +51,7 @@ DOCUMENTED_PARTITIONS = 6
 # The metric names llmq processes export (Prometheus exposition names), and nothing else.
 # ---------------------------------------------------------------------------------------------------------
 _COUNTERS = ("llmq_requests_total", "llmq_rejections_total", "llmq_tokens_total", "llmq_rebalances_total",
-             "llmq_dead_letters_total", "llmq_preemptions_total", "llmq_lag_exporter_errors_total")
+             "llmq_dead_letters_total", "llmq_preemptions_total", "llmq_duplicate_requests_total", "llmq_lag_exporter_errors_total")
 _HISTOGRAMS = ("llmq_queue_wait_seconds", "llmq_request_duration_seconds", "llmq_tenant_queue_wait_seconds")
 _GAUGES = (
     # workers

@@ -95,7 +95,7 @@ def gw():
                   metrics=metrics)
     intake = Intake(wire="single-object", topics=settings.topics, **common)
     completions = Completions(**common)
-    offsets = iter(range(10_000))
+    offsets = iter(range(10**9))
 
     def request_event(req: Request, offset: int | None = None, partition: int = 0):
         topic = settings.topics.request_topic(req.priority)

@@ -137,3 +137,13 @@ def test_ids_are_forgotten_past_the_horizon_and_their_records_deleted(gw):
     at = gw.seen.get(req.request_id).at_ms
     gw.seen.flush(at + 20_000)
     assert gw.seen.get(req.request_id) is None and len(gw.seen_table) == 0
+
+
+def test_two_writes_in_one_millisecond_keep_both_records(gw, monkeypatch):
+    import pipeline.gateway.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "now_ms", lambda: 1_800_000_000_000)
+    first, second = (Request.new("acme", f"r{i}", timeout_ms=600_000) for i in range(2))
+    handled(gw, gw.request_event(first))
+    handled(gw, gw.request_event(second))
+    assert len(gw.seen_table) == 2
