@@ -151,19 +151,19 @@ class Gateway:
         gateway = self
 
         for band, topic in self.requests.items():
-            async def admit(stream, band=band):
+            # One agent per band: each has its own stream, so a backlog in one band's stream
+            # never stands in front of another band's requests.
+            @app.agent(topic, name=f"admit-{band.value.lower()}")
+            async def admit(stream):
                 async for event in stream.noack().events():
                     gateway._maybe_reload()
                     gateway.intake.handle(event)
 
-            app.agent(topic, name=f"admit-{band.value.lower()}")(admit)
-
+        @app.agent(self.responses_in, name="completions")
         async def completions(stream):
             async for event in stream.noack().events():
                 gateway._maybe_reload()
                 gateway.completions.handle(event)
-
-        app.agent(self.responses_in, name="completions")(completions)
 
         @app.task
         async def start() -> None:

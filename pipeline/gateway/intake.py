@@ -34,6 +34,18 @@ _STATUS = {Action.REJECT: Status.REJECTED, Action.EXPIRE: Status.EXPIRED, Action
 _OUTCOME = {Status.REJECTED: "rejected", Status.EXPIRED: "expired", Status.CANCELLED: "cancelled"}
 
 
+#: The furthest back a request's record timestamp is believed (a producer's clock may be off).
+_MAX_ARRIVAL_LAG_MS = 60_000
+
+
+def arrival_ms(timestamp_s: float | None, now: int) -> int:
+    """When a request reached Kafka, by its record's timestamp (Faust gives seconds), never in the
+    future and at most a minute back: a producer's clock bends the rate limits that little at most."""
+    if not timestamp_s:
+        return now
+    return min(now, max(int(timestamp_s * 1000), now - _MAX_ARRIVAL_LAG_MS))
+
+
 class Intake:
     def __init__(self, *, codec, wire: str, admission: Admission, tenants: TenantStates, seen: RecentIds,
                  checkpoint: Checkpoint, topics, metrics: GatewayMetrics, cancelled=lambda request_id: False):
@@ -72,7 +84,8 @@ class Intake:
             return
         now = now_ms()
         state = self.tenants.get(req.tenant_id)
-        decision = self.admission.decide(req, now, state, cancelled=self.cancelled(req.request_id))
+        decision = self.admission.decide(req, now, state, cancelled=self.cancelled(req.request_id),
+                                         arrived_ms=arrival_ms(msg.timestamp, now))
         m = self.metrics
         if decision.action is Action.DISPATCH:
             self.tenants.changed(req.tenant_id)

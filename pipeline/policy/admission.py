@@ -99,7 +99,12 @@ class Admission:
     def deadline_ms(self, req: Request) -> int:
         return req.created_at + min(req.timeout_ms, self.max_timeout_ms)
 
-    def decide(self, req: Request, now_ms: int, state: TenantState, *, cancelled: bool = False) -> Decision:
+    def decide(self, req: Request, now_ms: int, state: TenantState, *, cancelled: bool = False,
+               arrived_ms: int | None = None) -> Decision:
+        """``arrived_ms``: when the request reached Kafka (its record's timestamp), the clock of the
+        token buckets; a gateway that falls behind then neither squeezes a backlog through one
+        burst nor lets it through late, and a request decided again (after a crash) meets the
+        buckets at the same moment. Deadlines run on ``now_ms``."""
         problem = validate_request(req, now_ms)
         if problem is not None:
             return Decision(Action.REJECT, problem)
@@ -146,7 +151,8 @@ class Admission:
             notes += (f"degraded {degraded_from} -> {model} at load {load:.0%}",)
 
         charged = prompt_tokens + req.max_tokens
-        limited = ratelimit.admit(state.buckets, self.limits.of(tenant), model, charged, now_ms)
+        limited = ratelimit.admit(state.buckets, self.limits.of(tenant), model, charged,
+                                  now_ms if arrived_ms is None else arrived_ms)
         if not limited.admitted:
             return Decision(Action.REJECT, f"rate_limited: limit {limited.limit}: {limited.detail}",
                             retry_after_ms=limited.retry_after_ms or None, band=band)

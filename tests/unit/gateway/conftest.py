@@ -66,9 +66,9 @@ class Outputs:
 
 
 class Event:
-    def __init__(self, topic, partition, offset, value, key=b"acme"):
+    def __init__(self, topic, partition, offset, value, key=b"acme", timestamp=None):
         self.message = SimpleNamespace(topic=topic, partition=partition, offset=offset, value=value, key=key,
-                                       headers=[])
+                                       headers=[], timestamp=timestamp)
         self.acked = False
 
     def ack(self):

@@ -147,3 +147,24 @@ def test_two_writes_in_one_millisecond_keep_both_records(gw, monkeypatch):
     handled(gw, gw.request_event(first))
     handled(gw, gw.request_event(second))
     assert len(gw.seen_table) == 2
+
+
+def test_the_buckets_run_on_arrival_time_so_a_late_gateway_admits_what_arrived_in_time(gw):
+    from pipeline.gateway.intake import arrival_ms
+
+    now = 1_800_000_000_000
+    assert arrival_ms(None, now) == now
+    assert arrival_ms((now - 250) / 1000, now) == now - 250
+    assert arrival_ms((now + 5_000) / 1000, now) == now  # a clock ahead of the gateway's: now
+    assert arrival_ms((now - 3_600_000) / 1000, now) == now - 60_000  # far behind: a minute at most
+    # Three requests that arrived a second apart, decided together later: within a 1-per-second limit.
+    reqs = [Request.new("acme", f"r{i}", timeout_ms=600_000) for i in range(3)]
+    gw.admission.limits.default[:] = [__import__("pipeline.config.gateway", fromlist=["x"]).RateLimitSettings(
+        "s", 1_000, requests=1)]
+    events = []
+    for i, r in enumerate(reqs):
+        e = gw.request_event(r)
+        e.message.timestamp = (r.created_at - (2 - i) * 1_000) / 1000  # arrived 2 s, 1 s and 0 s ago
+        events.append(e)
+    sent = handled(gw, *events)
+    assert [gw.codec.decode_request(v).request_id for t, v in sent if "dispatch" in t] == [r.request_id for r in reqs]
