@@ -1,4 +1,4 @@
-"""In-memory records of llmq: requests, responses and their enums.
+"""In-memory records of llmq: requests, responses, streamed chunks and their enums.
 
 The dataclasses mirror the Avro schemas in ``schemas/`` field for field (same names,
 same defaults). Timestamps stay plain ``int`` epoch milliseconds, exactly as they are
@@ -8,6 +8,10 @@ to and from the record dicts fastavro reads and writes is a handful of dict look
 ``to_record``/``from_record`` sit on the hot path (every message produced or
 consumed), which is why they are written out field by field instead of going through
 ``dataclasses.asdict`` or ``**record``.
+
+Chat messages (``Request.messages``, revision 4) are plain dicts in the OpenAI shape,
+``{"role": ..., "content": ...}`` plus ``"name"`` only when it is set, so they go to a
+model server's JSON body as they are.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any, Mapping
 
 __all__ = [
     "BANDS",
+    "CHAT_MESSAGE_KEYS",
+    "Chunk",
     "LOWEST_RANK",
     "Priority",
     "Status",
@@ -28,6 +34,7 @@ __all__ = [
     "Request",
     "Response",
     "now_ms",
+    "render_conversation",
 ]
 
 
@@ -135,6 +142,44 @@ def _symbol_error(enum_cls: type[Enum], field_name: str, value: Any) -> ValueErr
     return ValueError(f"field {field_name}: unknown {enum_cls.__name__} symbol {value!r} (valid: {valid})")
 
 
+#: The keys a chat message may have (record ``io.llmq.v1.ChatMessage``).
+CHAT_MESSAGE_KEYS = frozenset(("role", "content", "name"))
+
+
+def _chat_message(message: Any, index: int) -> dict[str, Any]:
+    """``message`` as a chat message dict (``name`` only when set); ``ValueError`` unless it
+    is a mapping with ``role`` and ``content`` and no other keys than ``name``."""
+    if not isinstance(message, Mapping):
+        raise ValueError(f"messages[{index}]: a message is a mapping with role and content, "
+                         f"got {type(message).__name__}")
+    extra = message.keys() - CHAT_MESSAGE_KEYS
+    if extra:
+        # Refused rather than dropped: the schema has nowhere to keep them (tool_calls, ...).
+        raise ValueError(f"messages[{index}]: unknown keys {sorted(map(str, extra))} "
+                         "(a message has role, content and optionally name)")
+    try:
+        out = {"role": message["role"], "content": message["content"]}
+    except KeyError as exc:
+        raise ValueError(f"messages[{index}]: missing {exc.args[0]}") from None
+    name = message.get("name")
+    if name is not None:
+        out["name"] = name
+    return out
+
+
+def _message_from_record(rec: Mapping[str, Any]) -> dict[str, Any]:
+    name = rec.get("name")
+    if name is None:
+        return {"role": rec["role"], "content": rec["content"]}
+    return {"role": rec["role"], "content": rec["content"], "name": name}
+
+
+def render_conversation(messages: Any) -> str:
+    """A conversation as plain text, one ``role: content`` line per message: the prompt of a
+    request built from messages, for readers of revisions before 4, which know no messages."""
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
 @dataclass(slots=True)
 class Request:
     """One LLM inference request (Avro record ``io.llmq.v1.LLMRequest``).
@@ -161,12 +206,21 @@ class Request:
     admitted_at: int | None = None
     effective_priority: Priority | None = None
     degraded_from: str | None = None
+    # Revision 4: the OpenAI request shape, and where the answer goes.
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: list[str] = field(default_factory=list)
+    user: str | None = None
+    stream: bool = False
+    reply_to: str | None = None
+    reply_partition: int | None = None
 
     @classmethod
     def new(
         cls,
         tenant_id: str,
-        prompt: str,
+        prompt: str | None = None,
         *,
         priority: Priority | str = Priority.NORMAL,
         model: str = "sim-small",
@@ -178,9 +232,17 @@ class Request:
 
         ``optional`` takes any other field (``user_tier``, ``task_tier``,
         ``allow_degrade``, ``notify_queued``, ``trace_id``, ``metadata``, the
-        gateway's ``admitted_at``/``effective_priority``/``degraded_from``, and also
-        ``request_id``/``created_at`` to pin them). ``priority``, ``task_tier`` and
-        ``effective_priority`` may be given as case-insensitive names.
+        gateway's ``admitted_at``/``effective_priority``/``degraded_from``, revision
+        4's ``messages``, ``temperature``, ``top_p``, ``stop``, ``user``, ``stream``,
+        ``reply_to``, ``reply_partition``, and also ``request_id``/``created_at`` to pin
+        them). ``priority``, ``task_tier`` and ``effective_priority`` may be given as
+        case-insensitive names.
+
+        ``messages`` are mappings with ``role``, ``content`` and optionally ``name``
+        (``ValueError`` otherwise); without a ``prompt`` the prompt is
+        :func:`render_conversation` of them, so a worker on an older revision can still
+        serve the request. One of the two is needed. ``stop`` may be one string, as in
+        OpenAI's API.
         """
         if type(priority) is not Priority:
             priority = Priority.parse(priority)
@@ -190,6 +252,16 @@ class Request:
         effective = optional.get("effective_priority")
         if effective is not None and type(effective) is not Priority:
             optional["effective_priority"] = Priority.parse(effective)
+        messages = optional.get("messages")
+        if messages:
+            messages = optional["messages"] = [_chat_message(m, i) for i, m in enumerate(messages)]
+        if prompt is None:
+            if not messages:
+                raise ValueError("Request.new needs a prompt or messages")
+            prompt = render_conversation(messages)
+        stop = optional.get("stop")
+        if isinstance(stop, str):
+            optional["stop"] = [stop]
         request_id = optional.pop("request_id", None) or str(uuid.uuid4())
         created_at = optional.pop("created_at", None)
         if created_at is None:
@@ -216,6 +288,13 @@ class Request:
         """The band it is served in: the gateway's ``effective_priority``, else ``priority``."""
         return self.effective_priority or self.priority
 
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The conversation to send a chat model: ``messages`` when set (copies), else the
+        prompt as one user message."""
+        if self.messages:
+            return [dict(m) for m in self.messages]
+        return [{"role": "user", "content": self.prompt}]
+
     def to_record(self) -> dict[str, Any]:
         """The Avro record dict (enums as symbol strings; ``metadata`` is not copied)."""
         effective = self.effective_priority
@@ -237,6 +316,14 @@ class Request:
             "admitted_at": self.admitted_at,
             "effective_priority": None if effective is None else effective._value_,
             "degraded_from": self.degraded_from,
+            "messages": self.messages,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stop": self.stop,
+            "user": self.user,
+            "stream": self.stream,
+            "reply_to": self.reply_to,
+            "reply_partition": self.reply_partition,
         }
 
     @classmethod
@@ -262,6 +349,8 @@ class Request:
                 effective = _PRIORITY_BY_SYMBOL[effective]
             except (KeyError, TypeError):
                 raise _symbol_error(Priority, "effective_priority", effective) from None
+        messages = rec.get("messages")
+        messages = [_message_from_record(m) for m in messages] if messages else []
         return cls(
             rec["request_id"],
             rec["tenant_id"],
@@ -280,6 +369,14 @@ class Request:
             rec.get("admitted_at"),
             effective,
             rec.get("degraded_from"),
+            messages,
+            rec.get("temperature"),
+            rec.get("top_p"),
+            rec.get("stop") or [],
+            rec.get("user"),
+            rec.get("stream", False),
+            rec.get("reply_to"),
+            rec.get("reply_partition"),
         )
 
 
@@ -314,6 +411,9 @@ class Response:
     metadata: dict[str, str] = field(default_factory=dict)
     queue_position: int | None = None
     eta_ms: int | None = None
+    # Revision 3.
+    finish_reason: str | None = None
+    usage_estimated: bool = False
 
     @classmethod
     def for_request(cls, req: Request, status: Status | str, **fields: Any) -> Response:
@@ -363,6 +463,8 @@ class Response:
             "metadata": self.metadata,
             "queue_position": self.queue_position,
             "eta_ms": self.eta_ms,
+            "finish_reason": self.finish_reason,
+            "usage_estimated": self.usage_estimated,
         }
 
     @classmethod
@@ -409,4 +511,63 @@ class Response:
             metadata=rec.get("metadata") or {},
             queue_position=rec.get("queue_position"),
             eta_ms=rec.get("eta_ms"),
+            finish_reason=rec.get("finish_reason"),
+            usage_estimated=rec.get("usage_estimated", False),
+        )
+
+
+@dataclass(slots=True, kw_only=True)
+class Chunk:
+    """A piece of a streamed answer (Avro record ``io.llmq.v1.LLMChunk``).
+
+    A request's chunks have ``seq`` 0, 1, 2, ... without gaps; the last one has
+    ``finish_reason`` set, and the terminal :class:`Response` (with the whole output)
+    follows. Keyword-only for the same reason as :class:`Response`. Build one with
+    :meth:`for_request`.
+    """
+
+    request_id: str
+    tenant_id: str
+    seq: int
+    delta: str
+    finish_reason: str | None = None
+    emitted_at: int
+    worker_id: str | None = None
+
+    @classmethod
+    def for_request(cls, req: Request, seq: int, delta: str, **fields: Any) -> Chunk:
+        """Chunk ``seq`` of the answer to ``req``; ``emitted_at`` defaults to now, ``fields``
+        sets ``finish_reason``/``worker_id``."""
+        if "emitted_at" not in fields:
+            fields["emitted_at"] = now_ms()
+        return cls(request_id=req.request_id, tenant_id=req.tenant_id, seq=seq, delta=delta, **fields)
+
+    @property
+    def last(self) -> bool:
+        """Whether this chunk ends its stream (it says why: ``finish_reason``)."""
+        return self.finish_reason is not None
+
+    def to_record(self) -> dict[str, Any]:
+        """The Avro record dict."""
+        return {
+            "request_id": self.request_id,
+            "tenant_id": self.tenant_id,
+            "seq": self.seq,
+            "delta": self.delta,
+            "finish_reason": self.finish_reason,
+            "emitted_at": self.emitted_at,
+            "worker_id": self.worker_id,
+        }
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> Chunk:
+        """Build from an Avro record dict; ``KeyError`` for a missing required field."""
+        return cls(
+            request_id=rec["request_id"],
+            tenant_id=rec["tenant_id"],
+            seq=rec["seq"],
+            delta=rec["delta"],
+            finish_reason=rec.get("finish_reason"),
+            emitted_at=rec["emitted_at"],
+            worker_id=rec.get("worker_id"),
         )

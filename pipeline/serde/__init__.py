@@ -7,9 +7,19 @@ Typical use::
     codec = Codec.default()
     data = codec.encode_request(request)
     request = codec.decode_request(data)
+
+Responses and streamed chunks alike: ``encode_response``/``decode_response``,
+``encode_chunk``/``decode_chunk``.
 """
 
-from pipeline.serde.codec import REQUEST_SCHEMA, RESPONSE_FIELDS, RESPONSE_SCHEMA, SINGLE_OBJECT_MAGIC, Codec
+from pipeline.serde.codec import (
+    CHUNK_SCHEMA,
+    REQUEST_SCHEMA,
+    RESPONSE_FIELDS,
+    RESPONSE_SCHEMA,
+    SINGLE_OBJECT_MAGIC,
+    Codec,
+)
 from pipeline.serde.fingerprint import (
     EMPTY,
     Fingerprint,
@@ -24,6 +34,7 @@ from pipeline.serde.registry import RegistryFormat
 from pipeline.serde.schema_store import SchemaLoadError, SchemaRevision, SchemaStore
 
 __all__ = [
+    "CHUNK_SCHEMA",
     "Codec",
     "EMPTY",
     "Fingerprint",

@@ -12,8 +12,11 @@ here along its writer schema, without building a single value, and refused with 
   Otherwise ``truncated``, as for a body cut short; so whatever fastavro then builds is
   bounded by the message, which the codec caps at ``max_record_bytes`` beforehand;
 * every string (and bytes value) is within its :class:`~pipeline.serde.limits.SerdeLimits`
-  cap and every map within ``max_metadata_entries``, counting encoded entries (duplicate
-  keys too), or ``limit_exceeded``: refused before fastavro builds the value;
+  cap (looked up by where it sits, :meth:`~pipeline.serde.limits.SerdeLimits.cap_at`),
+  every map within ``max_metadata_entries`` and every array within its item cap
+  (:meth:`~pipeline.serde.limits.SerdeLimits.items_cap_at`), counting encoded entries
+  and items (duplicate keys too, across blocks), or ``limit_exceeded``: refused before
+  fastavro builds the value;
 * it keeps to the encoding rules fastavro does not check: a boolean byte is ``00`` or
   ``01``, an enum or union index is within its list, an ``int`` fits in 32 bits
   (``invalid_field``); no varint is longer than 10 bytes or beyond 64 bits, and a
@@ -203,11 +206,15 @@ def _walk(nodes: tuple, data, pos: int, end: int) -> int:
 
 
 def _walk_array(node: tuple, data, pos: int, end: int) -> int:
-    _, where, items, item_min = node
+    _, where, items, item_min, max_items, cap_name = node
+    total = 0
     while True:
         count, size, pos = _block_count(data, pos, end, where, item_min)
         if not count:
             return pos
+        total += count
+        if total > max_items:
+            raise DecodeError("limit_exceeded", f"{where}: {total} items exceed {cap_name}={max_items}")
         start = pos
         for _ in range(count):
             pos = _walk(items, data, pos, end)
@@ -264,7 +271,8 @@ class _Compiler:
         self.named: dict[str, tuple[tuple | None, int]] = {}  # fullname -> (node, minimum bytes)
 
     def node(self, schema: Any, where: str, cap: tuple[int, str] | None = None) -> tuple[tuple, int]:
-        """``(node, minimum encoded bytes)``; ``cap`` applies to a string at this place."""
+        """``(node, minimum encoded bytes)``; ``cap`` applies to a string at this place, else
+        the limits' cap for ``where``."""
         if isinstance(schema, list):
             branches = tuple(self.node(branch, where, cap)[0] for branch in schema)
             return (_UNION, where, branches), 1
@@ -281,7 +289,7 @@ class _Compiler:
                 items, item_min = self.node(schema["items"], f"{where}[]")
                 if item_min < 1:
                     raise SchemaLoadError(f"{self.label}: {where}: array items can be encoded in zero bytes")
-                return (_ARRAY, where, (items,), item_min), 1
+                return (_ARRAY, where, (items,), item_min) + self.limits.items_cap_at(where), 1
             if kind == "map":
                 values, value_min = self.node(schema["values"], f"{where}{{}}")
                 limits = self.limits
@@ -289,7 +297,7 @@ class _Compiler:
                 return (_MAP, where) + entries, 1
             return self.node(kind, where, cap)  # {"type": "string"} and the like
         if schema in ("string", "bytes"):
-            limit, name = cap if cap is not None else (self.limits.max_string_bytes, "max_string_bytes")
+            limit, name = cap if cap is not None else self.limits.cap_at(where)
             return (_STRING, where, limit, name), 1
         if schema in ("long", "int", "boolean"):
             return ({"long": _LONG, "int": _INT, "boolean": _BOOLEAN}[schema], where), 1
@@ -324,7 +332,8 @@ class BodyCheck:
 
     ``schema`` is fastavro-parsed (fully qualified names); ``label`` names it in errors
     (name and revision, never a file). String caps come from
-    :meth:`SerdeLimits.string_cap` by the top-level field a string belongs to.
+    :meth:`SerdeLimits.cap_at` by where a string sits (``LLMRequest.prompt``,
+    ``LLMRequest.messages[].content``), item caps from :meth:`SerdeLimits.items_cap_at`.
     """
 
     __slots__ = ("fields", "label")
@@ -337,8 +346,7 @@ class BodyCheck:
         fields = []
         try:
             for f in schema["fields"]:
-                cap = limits.string_cap(record, f["name"])
-                fields.append(compiler.node(f["type"], f"{record}.{f['name']}", cap)[0])
+                fields.append(compiler.node(f["type"], f"{record}.{f['name']}")[0])
         except (KeyError, TypeError, ValueError) as exc:  # not what fastavro's parser produces
             raise SchemaLoadError(f"{label}: cannot check this schema: {type(exc).__name__}: {exc}") from None
         self.fields = tuple(fields)

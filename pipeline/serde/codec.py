@@ -1,4 +1,4 @@
-"""Encoding and decoding of requests and responses, with fastavro.
+"""Encoding and decoding of requests, responses and streamed chunks, with fastavro.
 
 Two wire formats, told apart by their first byte(s):
 
@@ -36,6 +36,10 @@ bytes along the writer schema: sizes, caps and the encoding rules fastavro does 
 enforce, the same for every schema revision. Encoding runs that check over what it has
 written (raising :class:`EncodeError`), so whatever this codec encodes, it also decodes.
 Messages name schemas by name and revision, never by file path.
+
+Chunks (``llm_chunk``) are optional in a schema directory: a codec over a store without
+them (an older deployment's) encodes and decodes requests and responses as before, and
+refuses chunks (:class:`EncodeError`; decoding, :class:`SchemaNotFoundError`).
 """
 
 from __future__ import annotations
@@ -50,13 +54,14 @@ from fastavro.read import SchemaResolutionError
 from fastavro.validation import validate
 
 from pipeline.errors import DecodeError, EncodeError, SchemaNotFoundError
-from pipeline.models import Request, Response
+from pipeline.models import Chunk, Request, Response
 from pipeline.serde.body_check import BodyCheck
 from pipeline.serde.limits import SerdeLimits
 from pipeline.serde.registry import RegistryFormat
 from pipeline.serde.schema_store import ReadPlan, SchemaLoadError, SchemaRevision, SchemaStore
 
 __all__ = [
+    "CHUNK_SCHEMA",
     "Codec",
     "REQUEST_SCHEMA",
     "RESPONSE_FIELDS",
@@ -70,9 +75,10 @@ SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 _SINGLE_OBJECT_HEADER_LEN = 10
 _CONFLUENT_HEADER_LEN = 5
 
-#: Schema-store names of the two records.
+#: Schema-store names of the records.
 REQUEST_SCHEMA = "llm_request"
 RESPONSE_SCHEMA = "llm_response"
+CHUNK_SCHEMA = "llm_chunk"
 
 Wire = Literal["single-object", "confluent"]
 
@@ -145,7 +151,7 @@ class _Writer:
 
 
 class Codec:
-    """Encodes :class:`Request`/:class:`Response` to bytes and back.
+    """Encodes :class:`Request`/:class:`Response`/:class:`Chunk` to bytes and back.
 
     ``store`` supplies the writer schema (its current revisions) and every schema a
     single-object message may name; ``registry`` (optional) enables the Confluent
@@ -159,10 +165,15 @@ class Codec:
         self._max_record_bytes = self.limits.max_record_bytes
         self._request = _Writer(store.current_revision(REQUEST_SCHEMA), self.limits)
         self._response = _Writer(store.current_revision(RESPONSE_SCHEMA), self.limits)
+        self._chunk = (_Writer(store.current_revision(CHUNK_SCHEMA), self.limits)
+                       if CHUNK_SCHEMA in store.names() else None)
         # (fingerprint bytes | schema id, store name) -> _Reader; only hits are cached.
         self._fp_readers: dict[tuple[bytes, str], _Reader] = {}
         self._id_readers: dict[tuple[int, str], _Reader] = {}
-        for writer, name in ((self._request, REQUEST_SCHEMA), (self._response, RESPONSE_SCHEMA)):
+        writers = [(self._request, REQUEST_SCHEMA), (self._response, RESPONSE_SCHEMA)]
+        if self._chunk is not None:
+            writers.append((self._chunk, CHUNK_SCHEMA))
+        for writer, name in writers:
             plan = store.read_plan(writer.rev, name)
             self._fp_readers[(writer.rev.fingerprint.le_bytes, name)] = _Reader(plan, self.limits)
 
@@ -194,7 +205,16 @@ class Codec:
         ``values``: the bytes of ``encode_response(Response(**dict(zip(RESPONSE_FIELDS, values))))``."""
         return self.encode_response(Response(**dict(zip(RESPONSE_FIELDS, values))), wire, topic)
 
-    def _encode(self, obj: Request | Response, writer: _Writer, wire: str, topic: str | None) -> bytes:
+    def encode_chunk(self, chunk: Chunk, wire: Wire = "single-object", topic: str | None = None) -> bytes:
+        """Encode ``chunk`` with the current chunk schema (see :meth:`encode_request`); its
+        ``delta`` is capped by ``max_output_bytes``."""
+        if not isinstance(chunk, Chunk):
+            raise EncodeError(f"LLMChunk: encode_chunk needs a Chunk, got {type(chunk).__name__}")
+        if self._chunk is None:
+            raise EncodeError("LLMChunk: the schema store has no llm_chunk schema (publish it as llm_chunk revision 1)")
+        return self._encode(chunk, self._chunk, wire, topic)
+
+    def _encode(self, obj: Request | Response | Chunk, writer: _Writer, wire: str, topic: str | None) -> bytes:
         what = f"cannot encode {writer.kind} {obj.request_id!r}"
         try:
             rec = obj.to_record()
@@ -260,6 +280,15 @@ class Codec:
         except (KeyError, ValueError, TypeError) as exc:
             raise DecodeError("invalid_field", f"LLMResponse: {exc}") from None
 
+    def decode_chunk(self, data: bytes) -> Chunk:
+        """Decode a chunk in either wire format. Raises :class:`DecodeError`."""
+        data, reader, offset = self._frame(data, CHUNK_SCHEMA)
+        rec = reader.read(data, offset)
+        try:
+            return Chunk.from_record(rec)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise DecodeError("invalid_field", f"LLMChunk: {exc}") from None
+
     @staticmethod
     def wire_format(data: bytes) -> str:
         """``"single-object"``, ``"confluent"`` or ``"unknown"``, from the first byte(s)."""
@@ -302,9 +331,15 @@ class Codec:
             return data, reader, _CONFLUENT_HEADER_LEN
         raise DecodeError("bad_magic", f"message starts with {data[:2].hex()}, not c301 or 00")
 
+    def _current(self, name: str, reason: str) -> SchemaRevision:
+        try:
+            return self.store.current_revision(name)
+        except KeyError:  # a store without chunks: nothing of that record can be read
+            raise SchemaNotFoundError(reason, f"no {name} schema is published here") from None
+
     def _reader_for_fingerprint(self, fp: bytes, name: str) -> _Reader:
         writer = self.store.writer_for_fingerprint(fp)
-        current = self.store.current_revision(name)
+        current = self._current(name, "unknown_fingerprint")
         if writer is None:
             raise SchemaNotFoundError("unknown_fingerprint", f"no published schema has fingerprint {fp.hex()}")
         if writer.fullname != current.fullname:
@@ -321,7 +356,7 @@ class Codec:
                 "unknown_schema_id", f"schema id {schema_id}: no schema registry configured for the confluent wire format"
             )
         writer = self.registry.writer_for_id(schema_id)  # SchemaNotFoundError / SerdeError
-        current = self.store.current_revision(name)
+        current = self._current(name, "unknown_schema_id")
         if writer.fullname != current.fullname:
             raise SchemaNotFoundError(
                 "unknown_schema_id", f"schema id {schema_id} is {writer.fullname}, not {current.fullname}"

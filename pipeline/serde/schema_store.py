@@ -5,8 +5,11 @@ named by the environment variable ``LLMQ_SCHEMAS_DIR``)::
 
     schemas/
       llm_request.avsc            the current revision (what producers write)
+      llm_response.avsc
+      llm_chunk.avsc              streamed pieces of answers (optional: see the codec)
       history/llm_request.1.avsc  every revision ever published, numbered from 1
       history/llm_request.2.avsc
+      ...
 
 A record written with any published revision can be decoded: its single-object header
 names the writer revision by fingerprint, and fastavro resolves it to the current
@@ -280,7 +283,7 @@ def _read_schema_file(path: Path, name: str, revision: int | None) -> SchemaRevi
 class SchemaStore:
     """Every published revision of every schema, plus the current one of each name.
 
-    Names are the file stems (``llm_request``, ``llm_response``).
+    Names are the file stems (``llm_request``, ``llm_response``, ``llm_chunk``).
     """
 
     def __init__(self, revisions: Iterable[SchemaRevision], current: Mapping[str, SchemaRevision], directory: Path | None = None):
