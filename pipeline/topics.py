@@ -49,6 +49,8 @@ def pipeline_topics(settings: Settings) -> list[TopicSpec]:
     specs.append(TopicSpec(t.dlq, t.dlq_partitions, t.replication_factor, dict(t.dlq_config), "dead letters"))
     specs.append(TopicSpec(t.cancellations, t.cancellation_partitions, t.replication_factor,
                            dict(t.cancellation_config), "cancellations"))
+    specs.append(TopicSpec(t.chunks, t.chunk_partitions, t.replication_factor, dict(t.chunk_config),
+                           "streamed chunks"))
     return specs
 
 

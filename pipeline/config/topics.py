@@ -35,6 +35,11 @@ class TopicSettings:
     #: max.message.bytes: a dead letter is the original message plus llmq's headers.
     dlq_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(30 * 24 * 3600 * 1000),
                                                                 "max.message.bytes": str(8 * 1024 * 1024 + 65536)})
+    #: Streamed chunks of answers (requests with stream set and no reply_to); partitioned by
+    #: tenant like the responses, so the same default count.
+    chunk_partitions: int = 6
+    #: A day: chunks are for live streams; the terminal response keeps the whole answer.
+    chunk_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(24 * 3600 * 1000)})
 
     def request_topic(self, priority: Priority) -> str:
         return f"{self.prefix}.requests.{priority.value.lower()}"
@@ -68,9 +73,13 @@ class TopicSettings:
     def cancellations(self) -> str:
         return f"{self.prefix}.cancellations"
 
+    @property
+    def chunks(self) -> str:
+        return f"{self.prefix}.chunks"
+
     def validate(self) -> None:
         for key in ("request_partitions", "response_partitions", "dlq_partitions", "cancellation_partitions",
-                    "replication_factor"):
+                    "chunk_partitions", "replication_factor"):
             positive(f"topics.{key}", getattr(self, key))
         if not self.prefix or any(c.isspace() for c in self.prefix):
             raise ConfigError("topics.prefix", "must be a non-empty name without spaces")
