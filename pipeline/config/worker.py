@@ -48,6 +48,31 @@ class WorkerSettings:
     #: Per model call (never past the request's own deadline), and tries before FAILED.
     backend_timeout_s: float = 60.0
     backend_max_attempts: int = 3
+    #: Which servers answer which model: "MODEL=URL[,URL];MODEL2=URL;*=URL" ("*" takes every
+    #: other model). Empty: every model goes to openai_base_url. A request for a model with no
+    #: route is answered FAILED (model_unavailable) without a call; a model's calls are spread
+    #: over its servers (fewest in flight) and fail over between them.
+    openai_routes: str = ""
+    #: Send each server only what it can start now (from its vLLM-style /metrics while they are
+    #: fresh, else an AIMD limit on time to first token), and keep the rest waiting in llmq's
+    #: priority queues rather than in the server's first-come-first-served one. false: up to
+    #: max_inflight calls, whatever the server holds.
+    backend_pacing: bool = True
+    #: A server's in-flight limit before its metrics or first tokens have said anything.
+    backend_initial_inflight: int = 4
+    #: How often each server's /metrics is read while pacing.
+    backend_metrics_interval_ms: int = 50
+    #: A metrics sample older than this is not trusted (the TTFT limit takes over): more than
+    #: backend_metrics_interval_ms, or every sample would be stale before the next one.
+    backend_metrics_stale_ms: int = 200
+    #: Call servers with stream: true (the time to first token paces them, and a cancelled call
+    #: closes its connection, which stops the generation). Requests with stream set are always
+    #: streamed, whatever this says.
+    backend_stream: bool = True
+    #: A server whose streams carry no usage (llama-cpp-python) is asked for whole answers for
+    #: requests that are not streamed, so that their token counts are the server's own rather
+    #: than llmq's estimate.
+    backend_prefer_real_usage: bool = True
     #: librdkafka max.poll.interval.ms for workers; the loop never blocks on the backend.
     max_poll_interval_ms: int = 300_000
     #: How long a silent (crashed, frozen) worker keeps its partitions before the group moves them.
@@ -166,7 +191,23 @@ class WorkerSettings:
             raise ConfigError("worker.openai_base_url", "must be an http:// or https:// URL")
         positive("worker.backend_timeout_s", self.backend_timeout_s)
         positive("worker.backend_max_attempts", self.backend_max_attempts)
+        self._validate_backend()
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError("worker.metrics_port", f"must be a TCP port or 0 (off), got {self.metrics_port}")
         if self.source not in ("requests", "dispatch"):
             raise ConfigError("worker.source", "must be 'requests' (gateway-less) or 'dispatch' (behind the gateway)")
+
+    def _validate_backend(self) -> None:
+        if self.openai_routes.strip():
+            from pipeline.worker.backends.routing import RoutingTable
+
+            try:
+                RoutingTable.parse(self.openai_routes)
+            except ValueError as exc:
+                raise ConfigError("worker.openai_routes", f"{exc} (expected MODEL=URL[,URL];*=URL)") from None
+        for key in ("backend_initial_inflight", "backend_metrics_interval_ms", "backend_metrics_stale_ms"):
+            positive(f"worker.{key}", getattr(self, key))
+        if self.backend_metrics_stale_ms <= self.backend_metrics_interval_ms:
+            raise ConfigError("worker.backend_metrics_stale_ms",
+                              f"must be more than backend_metrics_interval_ms ({self.backend_metrics_interval_ms}), "
+                              f"got {self.backend_metrics_stale_ms}")

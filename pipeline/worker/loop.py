@@ -94,6 +94,7 @@ class Worker:
         self._consumer_overrides = consumer_overrides or {}
         self._producer_overrides = producer_overrides or {}
         self._stop = threading.Event()
+        self._backend_full = False  # the last dispatch stopped because the backend had no room
 
     # The session's clients, and what tests, tools and benchmarks read or swap.
 
@@ -255,7 +256,9 @@ class Worker:
             producer.poll(0)
             if checkpoint.due(now):
                 checkpoint.commit(asynchronous=True)
-            if flow.full(len(tasks)):
+            if flow.full(len(tasks)) or self._backend_full:
+                # Woken as soon as a call ends (a slot is free), or a little later (a server's
+                # metrics may have said it has more room).
                 await flow.wait_for_slot(idle_s)
             elif not msgs and not dispatched:
                 if tasks:
@@ -295,23 +298,52 @@ class Worker:
     def _dispatch(self) -> int:
         """Start queued requests, highest band first (minimum shares aside), while slots are free.
 
+        A slot is free while fewer than ``max_inflight`` calls run and, for a backend that paces
+        its servers, while a server can start one more now (``room``): what the servers cannot
+        start yet waits here, in band order, rather than in their own first-come queues. A
+        request whose model's servers are full (others have room) goes back to its queue.
+
         Requests are picked a chunk at a time, at most as many as there are free slots (each
-        takes at most one), and the chunk is processed stage by stage. Returns how many started.
+        takes at most one), and the chunk is processed stage by stage. Returns how many started
+        (a preempted call wakes the loop when it ends, for the request it makes way for).
         """
         tasks, cfg, scheduler, processor = self.processor.tasks, self.cfg, self.scheduler, self.processor
+        backend_room = processor.room
         n = 0
+        self._backend_full = False
+        processor.held_model = None
+        backs: set[int] = set()  # put back in this dispatch: picked again, they go back again
         while True:
             room = cfg.max_inflight - len(tasks)
+            if room > 0 and backend_room is not None:
+                # A preempted call gives its server slot back once its cancellation has run.
+                free = backend_room() + processor.releasing
+                if free < room:
+                    room = free
+                    self._backend_full = free <= 0
             if room <= 0:
+                # (A full backend with a preempted call still releasing counts that slot as
+                # free: one waiting request never cancels two calls.)
                 if scheduler.may_preempt and processor.preempt():
                     continue
                 break
-            chunk = scheduler.next_chunk(min(room, _DISPATCH_CHUNK))
+            # Room for as many more as went back already: requests of other models behind them
+            # may start (never more than ``room``: process() puts back the rest).
+            chunk = scheduler.next_chunk(min(room, _DISPATCH_CHUNK) + len(backs))
             if not chunk:
                 break
-            processor.process(chunk)
+            put_back = processor.process(chunk, room)
             scheduler.chunk_done()
-            n += len(chunk)
+            n += len(chunk) - put_back
+            if put_back:
+                self._backend_full = True
+                fresh = [m for m in processor.put_back if id(m) not in backs]
+                backs.update(id(m) for m in fresh)
+                if (len(chunk) == put_back and not fresh) or len(backs) >= _DISPATCH_CHUNK:
+                    break
+        if backs and scheduler.may_preempt and not processor.releasing:
+            # A waiting request's servers are full: a call of a lower band there may make way.
+            processor.preempt(processor.held_model)
         return n
 
     def _handle(self, msg) -> None:

@@ -21,6 +21,7 @@ from pipeline.observability.metrics import WorkerMetrics
 from pipeline.policy.validation import validate_request
 from pipeline.serde import Codec
 from pipeline.worker.backends.base import Backend
+from pipeline.worker.backends.routing import UnknownModelError
 from pipeline.worker.dedupe import IN_FLIGHT, RecentRequests
 from pipeline.worker.flow import Flow
 from pipeline.worker.responder import Responder
@@ -38,7 +39,7 @@ class Processor:
     def __init__(self, cfg: WorkerSettings, backend: Backend, codec: Codec, session: Session, responder: Responder,
                  scheduler: Scheduler, flow: Flow, recent: RecentRequests, stats: WorkerStats, metrics: WorkerMetrics):
         self.cfg = cfg
-        self.backend = backend
+        self.backend = backend  # see the setter: what the backend says about its room
         self.codec = codec
         self.session = session
         self.responder = responder
@@ -52,20 +53,53 @@ class Processor:
         self._task_of: dict[str, tuple] = {}  # request id → key in tasks
         self._cancel_requested: set[tuple] = set()
         self._preempted: set[asyncio.Task] = set()
+        #: Picked messages put back because their model's servers had no room: id(msg) →
+        #: (msg, request), so that taking one again does not decode it again.
+        self._held: dict[int, tuple] = {}
+        #: The model of the last request put back this way (what a preemption must make room for).
+        self.held_model: str | None = None
+        self._held_rank = 0
+        #: The messages the last :meth:`process` put back.
+        self.put_back: list = []
+        self._model_of: dict[tuple, str] = {}  # running call's key → its model
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: Backend) -> None:
+        # A backend that paces its servers says how many calls can start now (room) and takes
+        # a slot for each call before it starts (reserve), so requests wait in llmq's band
+        # queues, in priority order and preemptible, instead of in the servers' FIFO queues.
+        self._backend = backend
+        self.room = getattr(backend, "room", None)
+        self._reserve = getattr(backend, "reserve", None)
+        self._release = getattr(backend, "release", None)
+        self._same_servers = getattr(backend, "same_servers", None)
+
+    @property
+    def releasing(self) -> int:
+        """Preempted calls not ended yet: the backend slots they hold are about to be free."""
+        return len(self._preempted)
 
     def reset(self) -> None:
         self.tasks.clear()
         self._task_of.clear()
         self._preempted.clear()
+        self._held.clear()
+        self._model_of.clear()
 
     # -- a chunk ---------------------------------------------------------------------------
 
-    def process(self, msgs: list) -> None:
+    def process(self, msgs: list, max_start: int | None = None) -> int:
         """Run taken messages through decoding, checks, the backend and the answer, one stage
-        at a time over the whole chunk.
+        at a time over the whole chunk. Returns how many were put back in their queues (listed
+        in :attr:`put_back`): their model's servers had no room, or ``max_start`` calls had
+        started already. They are taken again later, as they are.
 
         Every message still ends in exactly one outcome: a dead letter, a rejection,
-        CANCELLED, EXPIRED, a COMPLETED answer (``complete_now``), or a backend task.
+        CANCELLED, EXPIRED, FAILED, a COMPLETED answer (``complete_now``), or a backend task.
         """
         stats, responder = self.stats, self.responder
         if not stats.consumed:
@@ -73,7 +107,13 @@ class Processor:
         stats.consumed += len(msgs)
         decode = self.codec.decode_request
         decoded = []
+        held = self._held
         for msg in msgs:
+            if held:
+                again = held.pop(id(msg), None)
+                if again is not None:
+                    decoded.append(again)
+                    continue
             value = msg.value()
             try:
                 if not value:
@@ -114,42 +154,90 @@ class Processor:
             outcomes.append(entry)
             runnable.append(entry)
         done = []
-        if runnable:
-            self._run(runnable, outcomes, done, started)
+        self.put_back = []
+        put_back = self._run(runnable, outcomes, done, started, max_start) if runnable else 0
         if len(done) == len(outcomes):
             if done:
                 responder.completed_many(done, started)
         else:
             self._respond_in_order(outcomes, started)
+        return put_back
 
-    def _run(self, runnable: list, outcomes: list, done: list, started: int) -> None:
-        """The backend stage: an answer now, or a call that runs as a task."""
-        counts = self.scheduler.preempt_counts
-        # A preempted request's wait was observed when it first started: once per request.
-        self.metrics.waited_many([e for e in runnable if ((e[0].topic(), e[0].partition()), e[0].offset())
-                                  not in counts] if counts else runnable, started)
-        backend = self.backend
+    def _run(self, runnable: list, outcomes: list, done: list, started: int, max_start: int | None) -> int:
+        """The backend stage: an answer now, or a call that runs as a task (once the backend
+        has a slot for it; else the message goes back to its queue). Returns how many went back."""
+        backend, responder = self.backend, self.responder
         complete_now, call_started = backend.complete_now, self.scheduler.call_started
+        reserve = self._reserve
         create_task = None  # a loop is running only if some call does not answer at once
+        waits: list = []
+        back: list = []
+        counts = self.scheduler.preempt_counts
+        budget = max_start
         for entry in runnable:
             msg, request = entry[0], entry[1]
             tp, offset = (msg.topic(), msg.partition()), msg.offset()
+            key = (tp, offset)
+            slot = None
             try:
                 completion = complete_now(request)
+                if completion is None:
+                    if budget is not None and budget <= 0:
+                        back.append(entry)
+                        continue
+                    if reserve is not None:
+                        slot = reserve(request)
+                        if slot is None:
+                            back.append(entry)
+                            continue
+            except UnknownModelError:
+                outcomes[entry[3]] = functools.partial(responder.model_unavailable, tp, offset, request, started)
+                continue
             except Exception as exc:  # answered FAILED in its place, like a failed backend call
-                outcomes[entry[3]] = functools.partial(self.responder.backend_failed, tp, offset, request, started,
+                outcomes[entry[3]] = functools.partial(responder.backend_failed, tp, offset, request, started,
                                                        exc, backend.name)
                 continue
+            # A preempted request's wait was observed when it first started: once per request.
+            if not counts or key not in counts:
+                waits.append(entry)
             if completion is not None:
                 entry[2] = item = (tp, offset, request, completion)
                 done.append(item)
                 continue
             if create_task is None:
                 create_task = asyncio.get_running_loop().create_task
-            key = (tp, offset)
-            self.tasks[key] = task = create_task(self._call(tp, offset, request, started))
+            if budget is not None:
+                budget -= 1
+            self.tasks[key] = task = create_task(self._call(tp, offset, request, started, slot))
+            if slot is not None:
+                # Released however the task ends, even cancelled before it ever ran.
+                task.add_done_callback(functools.partial(self._release_slot, slot))
             self._task_of[request.request_id] = key
+            self._model_of[key] = request.model
             call_started(key, msg, task, request.request_id)
+        if waits:
+            self.metrics.waited_many(waits, started)
+        if back:
+            self._put_back(back)
+        return len(back)
+
+    def _put_back(self, entries: list) -> None:
+        """Requests whose model's servers have no free slot: back to the head of their queues, in
+        their order, decoded (taken again, they are not decoded again, nor counted again)."""
+        put_back, held = self.scheduler.put_back, self._held
+        for entry in reversed(entries):
+            msg = entry[0]
+            held[id(msg)] = (msg, entry[1])
+            put_back((msg.topic(), msg.partition()), msg)
+            self.put_back.append(msg)
+        # The most urgent of them is the one a preemption would make room for.
+        urgent = min(entries, key=lambda e: e[1].serving_priority.rank)[1]
+        if self.held_model is None or urgent.serving_priority.rank < self._held_rank:
+            self.held_model, self._held_rank = urgent.model, urgent.serving_priority.rank
+        self.stats.consumed -= len(entries)
+
+    def _release_slot(self, slot, task) -> None:
+        self._release(slot)
 
     def _respond_in_order(self, outcomes: list, started: int) -> None:
         """The chunk's answers in message order: the deferred ones called, the runs of
@@ -169,16 +257,16 @@ class Processor:
 
     # -- backend calls -----------------------------------------------------------------------
 
-    async def _call(self, tp, offset: int, request: Request, started: int) -> None:
+    async def _call(self, tp, offset: int, request: Request, started: int, slot=None) -> None:
         self.metrics.inflight_child.inc()
         t0 = time.perf_counter()
         key = (tp, offset)
         try:
-            completion = await self.backend.complete(request)
+            backend = self.backend
+            completion = await (backend.complete(request) if slot is None else backend.complete(request, slot))
         except asyncio.CancelledError:
             me = asyncio.current_task()
             if me in self._preempted:  # back in its queue (preempted): no answer now
-                self._preempted.discard(me)
                 return
             if key in self._cancel_requested:  # the client cancelled it: answer that
                 self._cancel_requested.discard(key)
@@ -188,6 +276,8 @@ class Processor:
             # Handed back (shutdown or revocation): the offset stays uncommitted, so the
             # partition's next owner runs the request.
             raise
+        except UnknownModelError:
+            self.responder.model_unavailable(tp, offset, request, started)
         except Exception as exc:  # a backend bug must not lose the request
             self.responder.backend_failed(tp, offset, request, started, exc, self.backend.name)
         else:
@@ -198,6 +288,7 @@ class Processor:
             # A preempted call's key may already belong to its next run.
             if self.tasks.get(key) is me:
                 del self.tasks[key]
+                self._model_of.pop(key, None)
                 if self._task_of.get(request.request_id) == key:
                     del self._task_of[request.request_id]
                 self.scheduler.call_ended(key, me)
@@ -211,16 +302,24 @@ class Processor:
             self._cancel_requested.add(key)
             task.cancel()
 
-    def preempt(self) -> bool:
+    def preempt(self, for_model: str | None = None) -> bool:
         """Every slot is busy: give one running call's slot to a waiting request of a higher band
         (or of a tenant crowded out of its band). The call's message is back in its queue; it is
-        answered once, when it runs again."""
-        victim = self.scheduler.preempt()
+        answered once, when it runs again. ``for_model``: the waiting request needs a slot on
+        that model's servers, so only a call holding one of those may give way."""
+        accept = None
+        if for_model is not None and self._same_servers is not None:
+            same, model_of = self._same_servers, self._model_of
+            accept = lambda key: key in model_of and same(for_model, model_of[key])  # noqa: E731
+        victim = self.scheduler.preempt(accept)
         if victim is None:
             return False
         key, task, request_id = victim
         self.tasks.pop(key, None)
+        self._model_of.pop(key, None)
         self._preempted.add(task)
+        # Done, not only answered: a task cancelled before it ever ran runs none of its code.
+        task.add_done_callback(self._preempted.discard)
         task.cancel()
         # It is taken again when it runs again: not a second request. Its id stays in flight, so
         # a copy arriving meanwhile waits for its answer.
@@ -234,6 +333,10 @@ class Processor:
             if key[0] in partitions:
                 task.cancel()
                 self.tasks.pop(key, None)
+                self._model_of.pop(key, None)
+        for ident, (msg, _) in list(self._held.items()):
+            if (msg.topic(), msg.partition()) in partitions:  # dropped from the queues too
+                del self._held[ident]
 
     async def stop_all(self) -> None:
         """Cancel every running call and wait for them: what is unanswered is handed back."""

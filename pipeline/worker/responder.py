@@ -107,6 +107,16 @@ class Responder:
         self.respond(tp, offset, answer(request, Status.FAILED, self.worker_id, reason=reason, started_at=started,
                                         model=request.model))
 
+    def model_unavailable(self, tp, offset: int, request: Request, started: int) -> None:
+        """FAILED at once, without a call: no server is configured for the request's model, and
+        no retry could change that."""
+        model = "".join(c if c.isprintable() else "?" for c in request.model[:100])
+        self.stats.failed += 1
+        self.metrics.outcome(request.priority._value_, "failed")
+        self.respond(tp, offset, answer(request, Status.FAILED, self.worker_id, started_at=started,
+                                        reason=f"model_unavailable: no server for model {model}",
+                                        model=request.model))
+
     def duplicate(self, tp, offset: int, request: Request, first: tuple | None = None) -> None:
         """A copy of an id taken before (see dedupe.py): the first answer's bytes again, or, the
         first still in flight, nothing (its offset finishes: the first one's answer covers it).

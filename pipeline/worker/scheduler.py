@@ -123,6 +123,12 @@ class Scheduler:
     def chunk_done(self) -> None:
         self._owed.clear()
 
+    def put_back(self, tp: tuple[str, int], msg) -> None:
+        """A picked message whose model's servers had no room after all: back at the head of its
+        partition's queue, where it keeps its band and its place, and waits its partition's
+        turn (others' requests for models with room are not held up behind it)."""
+        self.queues[self.rank.get(tp[0], LOWEST_RANK)].appendleft(tp, msg, turn_first=False)
+
     def drop(self, partitions: set) -> None:
         """Forget what ``partitions`` queued and run: taken but uncommitted, their next owner runs it."""
         for queue in self.queues:
@@ -156,11 +162,17 @@ class Scheduler:
         self._forget_call(key)
         self.preempt_counts.pop(key, None)
 
+    def keep(self, key: tuple) -> None:
+        """The call of ``key`` may no longer be preempted (a stream whose first tokens are out:
+        run again, it would send them again)."""
+        self.victims.pop(key, None)
+        self._forget_call(key)
+
     @property
     def may_preempt(self) -> bool:
         return bool(self.victims or self.crowded)
 
-    def preempt(self):
+    def preempt(self, accept=None):
         """Every slot is busy: pick one running call of a preemptible band lower than the band
         served next and put its message back at the head of its partition's queue. Returns
         the call's ``(key, task, request id)`` for the caller to cancel, or None.
@@ -168,17 +180,19 @@ class Scheduler:
         The victim is the most recently started call of the lowest such band (the least work
         thrown away). Failing such a call, one of a tenant crowding the served band
         (:meth:`_crowding_call`), which waits behind the request it made way for.
+        ``accept(key)``: whether the call of ``key`` holds a slot the waiting request can use
+        (a model server of its model); None: every call does.
         """
         band = self.bands.pick([q.size > 0 for q in self.queues])
         if band is None:
             return None
         victim = None
         for key, entry in self.victims.items():
-            if entry[0] > band and (victim is None or entry[:2] > victim[1][:2]):
+            if entry[0] > band and (victim is None or entry[:2] > victim[1][:2]) and (accept is None or accept(key)):
                 victim = (key, entry)
         turn_first = True
         if victim is None:
-            victim = self._crowding_call(band) if self.crowded else None
+            victim = self._crowding_call(band, accept) if self.crowded else None
             if victim is None:
                 return None
             turn_first = False
@@ -192,7 +206,7 @@ class Scheduler:
         self.metrics.preemptions.labels(BANDS[rank].value).inc()
         return key, task, request_id
 
-    def _crowding_call(self, band: int):
+    def _crowding_call(self, band: int, accept=None):
         """When the request ``band`` serves next is of a tenant running no call in that band
         while another tenant runs two or more there: the latest-started of those calls that may
         still be preempted, as (key, (band, start order, message, task, request id)), else None.
@@ -211,7 +225,8 @@ class Scheduler:
             if rank != band or len(calls) < 2:
                 continue
             for key, entry in calls.items():
-                if key[0] != partition and counts.get(key, 0) < limit and (best is None or entry[0] > best[1][1]):
+                if key[0] != partition and counts.get(key, 0) < limit and (best is None or entry[0] > best[1][1]) \
+                        and (accept is None or accept(key)):
                     best = (key, (band, *entry))
         return best
 

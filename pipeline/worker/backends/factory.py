@@ -17,20 +17,17 @@ def make_backend(cfg: WorkerSettings) -> Backend:
         key = Path(cfg.openai_api_key_file).expanduser().read_text().strip() if cfg.openai_api_key_file \
             else cfg.openai_api_key
         max_connections = max(8, cfg.max_inflight)
-        # The routing and pacing settings are read with their defaults so this factory works
-        # with settings that predate them.
-        routes_spec = getattr(cfg, "openai_routes", "")
-        routes = RoutingTable.parse(routes_spec) if routes_spec else RoutingTable.single(cfg.openai_base_url)
+        routes = RoutingTable.parse(cfg.openai_routes) if cfg.openai_routes.strip() \
+            else RoutingTable.single(cfg.openai_base_url)
         pacing = None
-        if getattr(cfg, "backend_pacing", True):
-            pacing = PacingConfig(initial_limit=min(getattr(cfg, "backend_initial_inflight", 4), max_connections),
+        if cfg.backend_pacing:
+            pacing = PacingConfig(initial_limit=min(cfg.backend_initial_inflight, max_connections),
                                   max_limit=max_connections,
-                                  metrics_interval_s=getattr(cfg, "backend_metrics_interval_ms", 50) / 1000.0,
-                                  metrics_stale_s=getattr(cfg, "backend_metrics_stale_ms", 200) / 1000.0)
+                                  metrics_interval_s=cfg.backend_metrics_interval_ms / 1000.0,
+                                  metrics_stale_s=cfg.backend_metrics_stale_ms / 1000.0)
         return OpenAIBackend(routes=routes, api_key=key, timeout_s=cfg.backend_timeout_s,
                              max_attempts=cfg.backend_max_attempts, max_connections=max_connections, pacing=pacing,
-                             stream_completions=getattr(cfg, "backend_stream", True),
-                             prefer_real_usage=getattr(cfg, "backend_prefer_real_usage", True))
+                             stream_completions=cfg.backend_stream, prefer_real_usage=cfg.backend_prefer_real_usage)
     from pipeline.worker.backends.simulated import SimulatedBackend
 
     return SimulatedBackend(cfg.sim_latency_ms, cfg.sim_ms_per_token)

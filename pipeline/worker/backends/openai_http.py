@@ -71,6 +71,8 @@ class _Call:
     plain: bool = False
     always_stream: bool = False  # stream() streams even from servers that leave usage out
     attempts: int = 0
+    #: A slot the worker reserved for the first attempt (see OpenAIBackend.reserve).
+    reserved: Slot | None = None
     ends: float = 0.0  # monotonic end of the current attempt
     body: dict[str, Any] = field(default_factory=dict)  # the current attempt's
     tried: set = field(default_factory=set)
@@ -112,37 +114,56 @@ class OpenAIBackend:
     def complete_now(self, request: Request) -> Completion | None:
         return None
 
-    async def complete(self, request: Request) -> Completion:
-        call = self._new_call(request, stream=self.stream_completions)
-        while True:
+    async def complete(self, request: Request, reserved: Slot | None = None) -> Completion:
+        """The whole answer. ``reserved``: a slot :meth:`reserve` took for this call, used by
+        its first attempt (and released however the call ends)."""
+        try:
+            call = self._new_call(request, stream=self.stream_completions)
+            call.reserved, reserved = reserved, None
             try:
-                async with self._attempt(call) as (server, slot, resp, sent):
-                    return await self._collect(call, server, slot, resp, sent)
-            except _Failure as failure:
-                await self._after_failure(call, failure)
+                while True:
+                    try:
+                        async with self._attempt(call) as (server, slot, resp, sent):
+                            return await self._collect(call, server, slot, resp, sent)
+                    except _Failure as failure:
+                        await self._after_failure(call, failure)
+            finally:
+                self._release_reserved(call)
+        finally:
+            if reserved is not None:  # the call failed before it could take it over
+                self.gate.release(reserved)
 
-    async def stream(self, request: Request) -> AsyncIterator[Chunk]:
+    async def stream(self, request: Request, reserved: Slot | None = None) -> AsyncIterator[Chunk]:
         """The answer chunk by chunk; the last chunk has ``finish_reason`` and ``usage``.
 
         ``usage`` is the server's, or estimated (``usage.estimated``) from a server that
         reports none in streams. Cancelling the task that iterates (or closing the iterator, e.g. with
-        ``contextlib.aclosing``) closes the HTTP response, and the server stops.
+        ``contextlib.aclosing``) closes the HTTP response, and the server stops. ``reserved``:
+        as for :meth:`complete`.
         """
-        call = self._new_call(request, stream=True)
-        call.always_stream = True
-        yielded = 0
-        while True:
+        try:
+            call = self._new_call(request, stream=True)
+            call.reserved, reserved = reserved, None
+            call.always_stream = True
+            yielded = 0
             try:
-                async with self._attempt(call) as (server, slot, resp, sent):
-                    async for chunk in self._chunks(call, server, slot, resp, sent):
-                        yielded += 1
-                        yield chunk
-                    return
-            except _Failure as failure:
-                if yielded:
-                    raise BackendError(f"{failure} after {yielded} chunk{'s' if yielded > 1 else ''}; "
-                                       "the answer is incomplete", retriable=failure.retriable) from None
-                await self._after_failure(call, failure)
+                while True:
+                    try:
+                        async with self._attempt(call) as (server, slot, resp, sent):
+                            async for chunk in self._chunks(call, server, slot, resp, sent):
+                                yielded += 1
+                                yield chunk
+                            return
+                    except _Failure as failure:
+                        if yielded:
+                            raise BackendError(f"{failure} after {yielded} chunk{'s' if yielded > 1 else ''}; "
+                                               "the answer is incomplete", retriable=failure.retriable) from None
+                        await self._after_failure(call, failure)
+            finally:
+                self._release_reserved(call)
+        finally:
+            if reserved is not None:
+                self.gate.release(reserved)
 
     async def close(self) -> None:
         for poller in self._pollers.values():
@@ -156,6 +177,39 @@ class OpenAIBackend:
         servers = self.routes.servers if model is None else self.routes.servers_for(model)
         return sum(self.gate.available(s) for s in servers if self.routes.is_up(s))
 
+    def room(self) -> int:
+        """Calls that can start now on any server (the worker's bound on what it takes)."""
+        return self.capacity(None)
+
+    def reserve(self, request: Request) -> Slot | None:
+        """Take a slot for ``request``'s call now, on the server of its model with the most room,
+        or None when none has room (the request is better off waiting in llmq's queues than
+        in the gate or in the server's). Pass it to :meth:`complete`/:meth:`stream`, or give
+        it back with :meth:`release`. Raises :class:`UnknownModelError` for a model with no
+        route, before any HTTP call."""
+        servers = self.routes.servers_for(request.model)
+        if _loop_running():
+            for server in servers:
+                self._ensure_poller(server)
+        gate = self.gate
+        best = None
+        for server in servers:
+            if self.routes.is_up(server) and gate.available(server) > 0 and (
+                    best is None or gate.in_flight(server) < gate.in_flight(best)):
+                best = server
+        return gate.try_acquire(best) if best is not None else None
+
+    def release(self, reserved: Slot) -> None:
+        """Give back a slot :meth:`reserve` took for a call that will not be made (idempotent)."""
+        self.gate.release(reserved)
+
+    def same_servers(self, model: str, other: str) -> bool:
+        """Whether a call of ``other`` holds a slot ``model`` could use (they share a server)."""
+        try:
+            return not set(self.routes.servers_for(model)).isdisjoint(self.routes.servers_for(other))
+        except BackendError:
+            return False
+
     def server_state(self) -> list[dict[str, Any]]:
         state = self.gate.state()
         return [{"base_url": s.base_url, "models": list(s.models), "up": self.routes.is_up(s),
@@ -167,6 +221,11 @@ class OpenAIBackend:
         self.routes.servers_for(request.model)  # an unknown model fails here, before any HTTP call
         remaining = (request.created_at + request.timeout_ms) / 1000.0 - time.time()
         return _Call(request, stream, time.monotonic() + remaining)
+
+    def _release_reserved(self, call: _Call) -> None:
+        if call.reserved is not None:  # never reached an attempt (its deadline had passed)
+            self.gate.release(call.reserved)
+            call.reserved = None
 
     def _choose(self, call: _Call) -> Server | None:
         gate = self.gate
@@ -189,11 +248,13 @@ class OpenAIBackend:
             raise _Failure("the request's deadline passed before the model answered", retriable=False)
         for server in self.routes.servers_for(call.request.model):
             self._ensure_poller(server)
-        try:
-            slot = await self.gate.acquire(lambda: self._choose(call), remaining)
-        except TimeoutError:
-            raise _Failure("no model server had a free slot before the request's deadline",
-                           retriable=False) from None
+        slot, call.reserved = call.reserved, None
+        if slot is None:
+            try:
+                slot = await self.gate.acquire(lambda: self._choose(call), remaining)
+            except TimeoutError:
+                raise _Failure("no model server had a free slot before the request's deadline",
+                               retriable=False) from None
         server: Server = slot.server
         try:
             timeout = min(self.timeout_s, call.deadline - time.monotonic())
@@ -346,6 +407,14 @@ class OpenAIBackend:
 
 def _usage_of(completion: Completion) -> Usage:
     return Usage(completion.prompt_tokens, completion.completion_tokens, completion.usage_estimated)
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _loop_deadline(monotonic_deadline: float) -> float:
