@@ -29,13 +29,19 @@ demo: setup
 # promtool and prometheus (Debian's package, unpacked into the cache) go first on PATH.
 WITH_PROM = PATH="$$(cat $(VENV)/.prometheus-bin):$$PATH"
 
-test: setup
+# A real llama.cpp server (llama-cpp-python) for the model tests: built once into the wheel
+# cache (~/.cache/llmq/wheels; minutes on two cores), installed from it in seconds after that.
+.PHONY: llama
+llama: setup
+	$(BIN)/python -m tests.llama.install
+
+test: setup llama
 	$(WITH_PROM) $(BIN)/python -m pytest tests
 
 unit: setup
 	$(WITH_PROM) $(BIN)/python -m pytest tests/unit
 
-integration: setup
+integration: setup llama
 	$(WITH_PROM) $(BIN)/python -m pytest tests/integration
 
 bench: setup

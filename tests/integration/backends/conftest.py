@@ -9,10 +9,6 @@ from tests.llama.gguf_model import TinyLlamaShape, write_tiny_llama
 from tests.llama.server import LlamaServer
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "llama: needs the llama-cpp-python server (make llama installs it)")
-
-
 @pytest.fixture(scope="session")
 def llama_model(tmp_path_factory):
     try:
