@@ -122,10 +122,10 @@ class GatewaySettings:
     default_drain_rate: float = 0.0
     #: How long a request id is remembered, so a re-submitted id is answered once.
     dedupe_horizon_ms: int = 120_000
-    #: An extra wait before each write of the changed state records (which the decisions' outputs
-    #: wait for): more requests per write, at that much more latency. 0 = write as soon as the
-    #: previous write is done (requests decided meanwhile go together anyway).
-    state_flush_ms: int = 0
+    #: How often the changed tenant records are written (each once). Decisions are written before
+    #: their answers, at once; the records only bound what a crash makes the gateway redo, and a
+    #: request's offset is committed after the write that follows its decision.
+    state_flush_ms: int = 100
     #: How long outputs wait to be sent together (linger.ms of the gateway's producer).
     producer_linger_ms: int = 2
     #: How long the group waits for a gateway that stopped heartbeating (crashed, killed, its
@@ -173,14 +173,14 @@ class GatewaySettings:
             raise ConfigError("gateway.demote_floor", f"unknown band (known: {BAND_NAMES})")
         if self.processing_guarantee != "at-least-once":
             raise ConfigError("gateway.processing_guarantee", "must be 'at-least-once'")
-        for key in ("max_timeout_ms", "urgent_eta_factor", "target_queue_ms", "depth_refresh_ms"):
+        for key in ("max_timeout_ms", "urgent_eta_factor", "target_queue_ms", "depth_refresh_ms", "state_flush_ms"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"gateway.{key}", f"must be > 0, got {getattr(self, key)!r}")
         for key in ("high_load", "degrade_load"):
             if not 0 < getattr(self, key) <= 10:
                 raise ConfigError(f"gateway.{key}", "must be a load above 0 (1.0 = target_queue_ms of queued work)")
         for key in ("urgent_ms", "simple_prompt_tokens", "simple_max_tokens", "default_drain_rate", "dedupe_horizon_ms",
-                    "producer_linger_ms", "state_flush_ms"):
+                    "producer_linger_ms"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"gateway.{key}", f"must be >= 0, got {getattr(self, key)!r}")
         if not 0 <= self.web_port < 65536:

@@ -13,9 +13,9 @@
   outstanding requests per band) and ``seen`` (the recent request ids).
 * The band queues are the dispatch topics; their depths come from the broker
   (:mod:`pipeline.gateway.depths`), the same for every gateway instance.
-* :class:`~pipeline.gateway.checkpoint.Checkpoint`: outputs leave only after the state behind
-  them is in the changelogs, and a request is acknowledged only after its outputs are
-  delivered; the agents' streams are ``noack()`` for that.
+* :class:`~pipeline.gateway.checkpoint.Checkpoint`: outputs leave only after the decision behind
+  them is in the changelogs, and a request is acknowledged only after its outputs are delivered
+  and its tenant's state is written; the agents' streams are ``noack()`` for that.
 
 Everything goes through Faust's public API: agents, tables, timers, tasks, web views, signals
 and documented settings.
@@ -136,7 +136,7 @@ class Gateway:
         self.outputs = Outputs(settings.kafka.producer_config(**{
             "client.id": f"{app_id}-out", "linger.ms": g.producer_linger_ms}), self._refused)
         self.checkpoint = Checkpoint(self.app.producer, self.tenants, self.seen, self.outputs,
-                                     every_s=g.state_flush_ms / 1000.0)
+                                     state_every_s=g.state_flush_ms / 1000.0)
         common = dict(codec=self.codec, admission=self.admission, tenants=self.tenants, seen=self.seen,
                       checkpoint=self.checkpoint, metrics=self.metrics)
         self.intake = Intake(wire=settings.serde.wire_format, topics=t, cancelled=self._cancelled, **common)
@@ -184,7 +184,7 @@ class Gateway:
         async def close_outputs(sender, **kwargs):
             gateway._stopping = True
             gateway.depths.stop()
-            await gateway.checkpoint.round()
+            await gateway.checkpoint.round(final=True)
             gateway.outputs.close()
 
         app.on_before_shutdown.connect(close_outputs)

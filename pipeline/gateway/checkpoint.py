@@ -1,21 +1,24 @@
-"""Write-ahead for the gateway: state first, then outputs, then the request's acknowledgement.
+"""Write-ahead for the gateway: decisions first, then outputs; state, then acknowledgements.
 
 Agents decide requests one by one and hand their outputs here. The checkpoint task then, in a
-loop, takes everything handed in so far and
+loop (a *round*), takes everything handed in so far and
 
-1. writes the changed tenant records and the new ids seen to their Faust tables, and waits
-   until Faust's producer has delivered those changelog records;
-2. sends the outputs (:class:`~pipeline.gateway.outputs.Outputs`);
-3. acknowledges each request once its outputs are delivered.
+1. writes the new ids seen (the decisions: one record per request partition) to their Faust
+   table and waits until Faust's producer has delivered them;
+2. sends the outputs (:class:`~pipeline.gateway.outputs.Outputs`).
 
-While one round waits for the broker the next requests are already being decided, so under load
-a round carries many requests and the changelogs get one record per changed tenant per round.
+The tenants' records are written every ``state_every_s`` (each changed record once) in the same
+way, before that round's outputs; a request is acknowledged once its outputs are delivered and
+a state write after its decision is durable. A round's cost is a few records whatever the number
+of tenants, so the latency of an answer does not grow with them; while one round waits for the
+broker, the next requests are already being decided.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from pipeline.gateway.outputs import Done, Outputs
 from pipeline.gateway.seen import RecentIds
@@ -26,20 +29,23 @@ log = logging.getLogger(__name__)
 
 
 class Checkpoint:
-    def __init__(self, producer, tenants: TenantStates, seen: RecentIds, outputs: Outputs, *, every_s: float = 0.0):
+    def __init__(self, producer, tenants: TenantStates, seen: RecentIds, outputs: Outputs, *,
+                 state_every_s: float = 0.1):
         self.producer = producer  # Faust's (the changelogs')
         self.tenants = tenants
         self.seen = seen
         self.outputs = outputs
-        self.every_s = every_s
-        self._pending: list = []  # (output, Done)
-        self._dones: list[Done] = []
+        self.state_every_s = state_every_s
+        self._pending: list = []  # (output, Done) not sent yet
+        self._dones: list[Done] = []  # decided since the last round
+        self._unwritten: list[Done] = []  # sent, their tenant state not written yet
+        self._state_at = time.monotonic()
         self._wake = asyncio.Event()
         self.rounds = 0
 
     def after_write(self, event, outputs: list) -> None:
-        """Send ``outputs`` (``(topic, value, key, headers)``), then acknowledge ``event``, once the
-        state its decision changed is written."""
+        """Send ``outputs`` (``(topic, value, key, headers)``) once ``event``'s decision is written,
+        and acknowledge ``event`` once they are delivered and its state is written."""
         done = Done(event, len(outputs))
         self._pending.extend((output, done) for output in outputs)
         self._dones.append(done)
@@ -47,28 +53,39 @@ class Checkpoint:
 
     @property
     def waiting(self) -> int:
-        return len(self._dones)
+        return len(self._dones) + len(self._unwritten)
 
     async def run(self) -> None:
         while True:
-            await self._wake.wait()
-            if self.every_s:
-                await asyncio.sleep(self.every_s)
+            if self._unwritten and not self._dones:
+                # Only state to write: wake for it when it is due, or for new work before that.
+                due = self._state_at + self.state_every_s - time.monotonic()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), max(0.0, due))
+                except asyncio.TimeoutError:
+                    pass
+            else:
+                await self._wake.wait()
             await self.round()
 
-    async def round(self) -> None:
+    async def round(self, *, final: bool = False) -> None:
         self._wake.clear()
         pending, self._pending = self._pending, []
         dones, self._dones = self._dones, []
-        if not dones:
+        if not dones and not self._unwritten:
             return
         now = now_ms()
-        self.tenants.flush(now)
         self.seen.flush(now)
+        self._unwritten.extend(dones)
+        written: list[Done] = []
+        if final or time.monotonic() - self._state_at >= self.state_every_s:
+            self.tenants.flush(now)
+            self._state_at = time.monotonic()
+            written, self._unwritten = self._unwritten, []
         await self.producer.flush()
         send = self.outputs.send
         for (topic, value, key, headers), done in pending:
             send(topic, value, key, done, headers)
-        for done in dones:
+        for done in written:
             done.one()
         self.rounds += 1

@@ -32,25 +32,31 @@ class Completions:
         self.checkpoint = checkpoint
         self.metrics = metrics
 
+    #: The responses' name in the tenant records' ``applied``.
+    SOURCE = "r"
+
     def handle(self, event) -> None:
         msg = event.message
         try:
-            self._handle(msg.value, msg.partition)
+            self._handle(msg.value, msg.partition, msg.offset)
         except Exception:  # noqa: BLE001 (a response the gateway cannot count is still the client's)
             log.exception("counting the completion %s[%d]@%d failed", msg.topic, msg.partition, msg.offset)
         self.checkpoint.after_write(event, [])
 
-    def _handle(self, value: bytes, partition: int) -> None:
+    def _handle(self, value: bytes, partition: int, offset: int) -> None:
         try:
             resp = self.codec.decode_response(value)
         except DecodeError:
             return  # the response topic's readers dead-letter nothing: not ours to judge
         if not resp.status.is_terminal or resp.admitted_at is None or resp.served_priority is None:
             return  # progress events, and answers to requests no gateway dispatched
+        state = self.tenants.get(resp.tenant_id)
+        if state.holds(self.SOURCE, offset):
+            return  # read again after a crash: its effect is in the record already
         seen = self.seen.finished(resp.request_id, partition)
         if seen is None and self.seen.get(resp.request_id) is not None:
-            return  # counted already
-        state = self.tenants.get(resp.tenant_id)
+            return  # counted already (a second terminal answer to the same id)
+        state.apply(self.SOURCE, offset)
         # Only a completed answer says what the model used; a failed call is settled at nothing.
         used = resp.prompt_tokens + resp.completion_tokens if resp.status is Status.COMPLETED else 0
         self.admission.finished(resp.tenant_id, state, resp.served_priority, seen.model if seen else None,

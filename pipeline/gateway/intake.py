@@ -1,13 +1,16 @@
 """One request record in: decoded, recognised if seen before, decided, its outputs queued.
 
 The decision changes the tenant's state and the ids seen in memory at once (the next request
-sees it), but the outputs wait in the :class:`~pipeline.gateway.checkpoint.Checkpoint` until
-those changes are in the tables' changelogs: an answer never goes out before the state that
-explains it is durable. So after a crash a request is either
+sees it), but the outputs wait in the :class:`~pipeline.gateway.checkpoint.Checkpoint` until the
+decision is in the ids seen's changelog: an answer never goes out before the decision that gave
+it is durable. The tenants' records are written less often; each says through which offset of
+each source it holds the effects (:meth:`pipeline.policy.state.TenantState.holds`). So after a
+crash a request is either
 
 * redelivered with no trace of it in the tables: nothing of it went out, it is decided afresh;
-* redelivered with its decision in the ids seen: the same outputs go out again, unchanged and
-  charged nowhere (at-least-once repeats an answer, never changes it).
+* redelivered with its decision in the ids seen: the same outputs go out again, unchanged, and
+  its effect on the tenant's state is applied again only if the record does not hold it
+  (at-least-once repeats an answer, never changes it, and charges it once).
 
 A request id submitted again (from another offset) is dropped while the first copy waits for
 its answer; one the gateway answered itself gets that answer again; one whose answer came from
@@ -60,6 +63,8 @@ class Intake:
         self.responses = topics.responses
         self.dlq = topics.dlq
         self.dispatch = {p: topics.dispatch_topic(p) for p in BANDS}
+        #: A request topic's name in the tenant records' ``applied`` (its band's rank).
+        self.sources = {topics.request_topic(p): str(p.rank) for p in BANDS}
 
     def handle(self, event) -> None:
         msg = event.message
@@ -78,20 +83,32 @@ class Intake:
             outputs.append(self._dead_letter(msg, exc.reason, str(exc)))
             return
         source = f"{msg.topic}:{msg.partition}:{msg.offset}"
+        applied = self.sources.get(msg.topic, msg.topic)
         seen = self.seen.get(req.request_id)
         if seen is not None:
-            self._again(req, seen, seen.source == source, outputs)
+            redelivered = seen.source == source
+            if redelivered and seen.dispatched >= 0:
+                state = self.tenants.get(req.tenant_id)
+                if not state.holds(applied, msg.offset):
+                    self.admission.admitted_again(req.tenant_id, state, BANDS[seen.dispatched],
+                                                  seen.model or req.model, seen.charged, seen.arrived_ms)
+                    state.apply(applied, msg.offset)
+                    self.tenants.changed(req.tenant_id)
+            self._again(req, seen, redelivered, outputs)
             return
         now = now_ms()
+        arrived = arrival_ms(msg.timestamp, now)
         state = self.tenants.get(req.tenant_id)
         decision = self.admission.decide(req, now, state, cancelled=self.cancelled(req.request_id),
-                                         arrived_ms=arrival_ms(msg.timestamp, now))
+                                         arrived_ms=arrived)
+        state.apply(applied, msg.offset)
         m = self.metrics
         if decision.action is Action.DISPATCH:
             self.tenants.changed(req.tenant_id)
             band = decision.band
             self.seen.add(req.request_id, msg.partition, Seen(source, req.tenant_id, now, band.rank, decision.model or "",
-                                               decision.charged_tokens, decision.degraded_from or "", in_flight=True))
+                                               decision.charged_tokens, decision.degraded_from or "", in_flight=True,
+                                               arrived_ms=arrived))
             m.outcome(req.priority.value, "admitted")
             if decision.degraded_from is not None:
                 m.degraded.labels(req.priority.value).inc()

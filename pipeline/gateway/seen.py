@@ -32,6 +32,7 @@ class Seen(NamedTuple):
     reason: str = ""
     retry_after_ms: int = 0
     served: int = -1
+    arrived_ms: int = 0  # the buckets' clock at the decision (to charge them again the same way)
 
 
 class RecentIds:

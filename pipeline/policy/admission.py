@@ -162,6 +162,13 @@ class Admission:
         return Decision(Action.DISPATCH, band=band, model=model, degraded_from=degraded_from,
                         position=verdict.position, eta_ms=verdict.eta_ms, notes=notes, charged_tokens=charged)
 
+    def admitted_again(self, tenant: str, state: TenantState, band: Priority, model: str, charged_tokens: int,
+                       arrived_ms: int) -> None:
+        """The effect of an admission decided before, applied to a state that does not hold it yet
+        (the state is written less often than decisions are recorded): charged and counted as then."""
+        ratelimit.charge(state.buckets, self.limits.of(tenant), model, charged_tokens, arrived_ms)
+        state.admitted(band.rank)
+
     def finished(self, tenant: str, state: TenantState, band: Priority, model: str | None, charged_tokens: int,
                  used_tokens: int | None, now_ms: int) -> None:
         """A dispatched request reached its terminal response: one fewer outstanding, and the

@@ -92,6 +92,19 @@ def admit(buckets: Buckets, limits: list[RateLimit], model: str, tokens: int, no
     return ADMIT
 
 
+def charge(buckets: Buckets, limits: list[RateLimit], model: str, tokens: int, now_ms: float) -> None:
+    """Charge every limit whatever room it has: the effect of an admission decided before (a
+    request read again after a crash), brought back into the state it was decided on."""
+    for limit in limits:
+        key = limit_key(limit, model)
+        tat_requests, tat_tokens = buckets.get(key) or (now_ms, now_ms)
+        if limit.requests:
+            tat_requests = max(tat_requests, now_ms) + limit.window_ms / limit.requests
+        if limit.tokens:
+            tat_tokens = max(tat_tokens, now_ms) + tokens * limit.window_ms / limit.tokens
+        buckets[key] = [tat_requests, tat_tokens]
+
+
 def settle(buckets: Buckets, limits: list[RateLimit], model: str, delta_tokens: int, now_ms: float) -> None:
     """Correct the token buckets by ``delta_tokens`` (used − charged): a refund moves the TAT back,
     never below now (a bucket cannot be fuller than full); an overrun moves it on."""

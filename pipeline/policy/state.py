@@ -1,9 +1,10 @@
 """What the gateway remembers about one tenant between its requests. Pure, no I/O.
 
-One record per tenant: its token buckets (:mod:`pipeline.policy.ratelimit`) and its outstanding
-requests per band (:mod:`pipeline.policy.fairness`). The gateway keeps these records in a Faust
-table keyed by tenant, so each admission changes one record and a restart gets them back from
-the table's changelog; ``to_value``/``from_value`` are the table's JSON form.
+One record per tenant: its token buckets (:mod:`pipeline.policy.ratelimit`), its outstanding
+requests per band (:mod:`pipeline.policy.fairness`), and ``applied``: per source (a request topic,
+or the responses), the offset of the last record whose effect the state holds, so that a record
+read again after a crash is applied once. The gateway keeps these records in a Faust table keyed
+by tenant; ``to_value``/``from_value`` are the table's JSON form.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ from pipeline.policy import ratelimit
 class TenantState:
     buckets: dict[str, list] = field(default_factory=dict)
     outstanding: list[int] = field(default_factory=lambda: [0] * len(BANDS))
+    applied: dict[str, int] = field(default_factory=dict)
+
+    def holds(self, source: str, offset: int) -> bool:
+        """Whether the record at ``offset`` of ``source`` is applied already."""
+        return offset <= self.applied.get(source, -1)
+
+    def apply(self, source: str, offset: int) -> None:
+        if offset > self.applied.get(source, -1):
+            self.applied[source] = offset
 
     def admitted(self, rank: int) -> None:
         self.outstanding[rank] += 1
@@ -31,7 +41,7 @@ class TenantState:
         return not any(self.outstanding) and ratelimit.idle(self.buckets, now_ms)
 
     def to_value(self) -> dict:
-        return {"b": self.buckets, "o": self.outstanding}
+        return {"b": self.buckets, "o": self.outstanding, "a": self.applied}
 
     @classmethod
     def from_value(cls, value) -> "TenantState":
@@ -41,4 +51,5 @@ class TenantState:
         outstanding += [0] * (len(BANDS) - len(outstanding))
         buckets = {str(k): [float(v[0]), float(v[1])] for k, v in (value.get("b") or {}).items()
                    if isinstance(v, (list, tuple)) and len(v) == 2}
-        return cls(buckets, outstanding)
+        applied = {str(k): int(v) for k, v in (value.get("a") or {}).items() if isinstance(v, int)}
+        return cls(buckets, outstanding, applied)

@@ -86,7 +86,7 @@ def gw():
     tenants = TenantStates(tenants_table)
     seen = RecentIds(seen_table, ownership, horizon_ms=10_000)
     outputs = Outputs(log)
-    checkpoint = Checkpoint(FaustProducer(log), tenants, seen, outputs)
+    checkpoint = Checkpoint(FaustProducer(log), tenants, seen, outputs, state_every_s=0.0)
     admission = Admission(PriorityPolicy(), RateLimits([RateLimitSettings("s", 60_000, requests=3)]),
                           FairnessQuotas({}, floor=Priority.LOW), QueueModel([0] * len(BANDS)), DegradePolicy())
     metrics = GatewayMetrics()

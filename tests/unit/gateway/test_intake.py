@@ -33,6 +33,46 @@ def test_outputs_leave_only_after_the_state_that_explains_them_and_the_request_i
     assert event.acked
 
 
+def test_tenant_records_are_written_less_often_than_decisions_and_acks_wait_for_them(gw):
+    gw.checkpoint.state_every_s = 3600.0
+    event = gw.request_event(Request.new("acme", "hello", timeout_ms=600_000))
+    gw.intake.handle(event)
+    run(gw.checkpoint.round())
+    gw.outputs.deliver()
+    assert len(gw.outputs.sent_before) == 1  # the answer is out: its decision is written
+    assert gw.tenants_table == {} and not event.acked  # the tenant's record is not, so no commit yet
+    run(gw.checkpoint.round(final=True))
+    assert list(gw.tenants_table) == [b"acme"] and event.acked
+
+
+def test_a_request_read_again_is_charged_once_whether_or_not_its_tenants_record_was_written(gw):
+    req = Request.new("acme", "again", timeout_ms=600_000)
+    gw.checkpoint.state_every_s = 3600.0
+    handled(gw, gw.request_event(req, offset=7))
+    # A crash before the tenant's record was written: the record (empty) is what comes back.
+    gw.tenants.forget()
+    assert gw.tenants.get("acme").outstanding == [0] * 5
+    handled(gw, gw.request_event(req, offset=7))
+    state = gw.tenants.get("acme")
+    assert state.outstanding[Priority.NORMAL.rank] == 1 and state.buckets  # applied again, once
+    handled(gw, gw.request_event(req, offset=7))
+    assert gw.tenants.get("acme").outstanding[Priority.NORMAL.rank] == 1
+
+
+def test_a_response_read_again_is_counted_once(gw):
+    req = Request.new("acme", "x", timeout_ms=600_000)
+    [(_, dispatched)] = handled(gw, gw.request_event(req))
+    d = gw.codec.decode_request(dispatched)
+    resp = Response.for_request(d, Status.COMPLETED, admitted_at=d.admitted_at, served_priority=d.effective_priority,
+                                started_at=d.admitted_at + 1, output="ok")
+    value = gw.codec.encode_response(resp)
+    gw.completions.handle(Event(gw.settings.topics.responses, 0, 42, value))
+    gw.seen.load(now_ms=d.admitted_at)  # a rebalance: the ids seen come back, the finish with them
+    gw.completions.handle(Event(gw.settings.topics.responses, 0, 42, value))
+    run(gw.checkpoint.round())
+    assert gw.tenants.get("acme").outstanding == [0] * 5
+
+
 def test_a_tenant_sending_many_requests_costs_one_state_record_per_round(gw):
     handled(gw, *(gw.request_event(Request.new("acme", f"r{i}", timeout_ms=600_000)) for i in range(3)))
     assert [k for k, _ in gw.tenants_table.writes] == [b"acme"]
