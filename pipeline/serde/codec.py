@@ -93,17 +93,19 @@ class _Sink(bytearray):
     write = bytearray.extend
 
 
-def _integer_fields(schema: dict) -> tuple[str, ...]:
-    """Top-level fields that hold an ``int`` or ``long`` (alone or in a union)."""
+def _fields_of_kind(schema: dict, *kinds: str) -> tuple[tuple[str, bool], ...]:
+    """Top-level fields that hold one of ``kinds``, alone or in a union: ``(name, whether
+    None is a value of it too)``."""
 
-    def integer(t: Any) -> bool:
+    def holds(t: Any) -> bool:
         if isinstance(t, list):
-            return any(integer(branch) for branch in t)
+            return any(holds(branch) for branch in t)
         if isinstance(t, dict):
             t = t.get("type")
-        return t in ("int", "long")
+        return t in kinds
 
-    return tuple(f["name"] for f in schema["fields"] if integer(f["type"]))
+    return tuple((f["name"], isinstance(f["type"], list) and "null" in f["type"])
+                 for f in schema["fields"] if holds(f["type"]))
 
 
 class _Reader:
@@ -140,14 +142,16 @@ class _Reader:
 class _Writer:
     """What encoding one record with its current revision needs."""
 
-    __slots__ = ("rev", "header", "check", "integers", "kind")
+    __slots__ = ("rev", "header", "check", "integers", "booleans", "arrays", "kind")
 
     def __init__(self, rev: SchemaRevision, limits: SerdeLimits):
         self.rev = rev
         self.kind = rev.fullname.rsplit(".", 1)[-1]
         self.header = SINGLE_OBJECT_MAGIC + rev.fingerprint.le_bytes
         self.check = BodyCheck(rev.parsed, limits, rev.source)
-        self.integers = _integer_fields(rev.parsed)
+        self.integers = _fields_of_kind(rev.parsed, "int", "long")
+        self.booleans = _fields_of_kind(rev.parsed, "boolean")
+        self.arrays = _fields_of_kind(rev.parsed, "array")
 
 
 class Codec:
@@ -220,11 +224,21 @@ class Codec:
             rec = obj.to_record()
         except AttributeError as exc:  # e.g. an enum field holding a plain string
             raise EncodeError(f"{what}: {exc}") from exc
-        # fastavro writes True as 1 and truncates 1.5 to 1 in an int or long field.
-        for name in writer.integers:
+        # fastavro writes True as 1 and truncates 1.5 to 1 in an int or long field, writes
+        # anything truthy as true in a boolean one, and any iterable as an array: a string
+        # as its characters (stop="END" as ["E", "N", "D"]), a dict as its keys.
+        for name, nullable in writer.integers:
             value = rec.get(name)
-            if value is not None and type(value) is not int:
-                raise EncodeError(f"{what}: {writer.kind}.{name}: {value!r} is not an int")
+            if type(value) is not int and (value is not None or not nullable):
+                raise EncodeError(f"{what}: {writer.kind}.{name}: {value!r:.40} is not an int")
+        for name, nullable in writer.booleans:
+            value = rec.get(name)
+            if type(value) is not bool and (value is not None or not nullable):
+                raise EncodeError(f"{what}: {writer.kind}.{name}: {value!r:.40} is not a bool")
+        for name, nullable in writer.arrays:
+            value = rec.get(name)
+            if type(value) is not list and type(value) is not tuple and (value is not None or not nullable):
+                raise EncodeError(f"{what}: {writer.kind}.{name}: a {type(value).__name__} is not a list")
         header = writer.header if wire == "single-object" else self._registry_header(writer.rev, wire, topic)
         sink = _Sink(header)
         try:
