@@ -10,7 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.models import TERMINAL_STATUSES, Priority, Request, Response, Status, TaskTier, now_ms
+from pipeline.models import (
+    TERMINAL_STATUSES,
+    Chunk,
+    Priority,
+    Request,
+    Response,
+    Status,
+    TaskTier,
+    now_ms,
+    render_conversation,
+)
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 
@@ -113,6 +123,22 @@ def test_response_fields_mirror_schema_in_order():
     assert names == [f["name"] for f in _schema("llm_response")["fields"]]
 
 
+def test_chunk_fields_mirror_schema_in_order():
+    names = [f.name for f in dataclasses.fields(Chunk)]
+    assert names == [f["name"] for f in _schema("llm_chunk")["fields"]]
+
+
+@pytest.mark.parametrize("cls, schema", [(Request, "llm_request"), (Response, "llm_response"), (Chunk, "llm_chunk")])
+def test_dataclass_defaults_are_the_schema_defaults(cls, schema):
+    defaults = {f["name"]: f["default"] for f in _schema(schema)["fields"] if "default" in f}
+    for f in dataclasses.fields(cls):
+        if f.name not in defaults:
+            assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, f.name
+            continue
+        value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        assert value == defaults[f.name], f.name
+
+
 def test_dataclasses_use_slots():
     req = Request.new("t", "p")
     with pytest.raises(AttributeError):
@@ -193,9 +219,12 @@ def test_request_record_round_trip_and_plain_symbols():
 
 
 def test_request_from_record_fills_absent_optional_fields():
-    rec = Request.new("t", "p", admitted_at=1, effective_priority=Priority.HIGH, degraded_from="m").to_record()
+    rec = Request.new("t", "p", admitted_at=1, effective_priority=Priority.HIGH, degraded_from="m",
+                      messages=[{"role": "user", "content": "p"}], temperature=1.0, top_p=0.5, stop=["x"],
+                      user="u", stream=True, reply_to="llm.r", reply_partition=1).to_record()
     for name in ("user_tier", "task_tier", "allow_degrade", "notify_queued", "trace_id", "metadata",
-                 "admitted_at", "effective_priority", "degraded_from"):
+                 "admitted_at", "effective_priority", "degraded_from", "messages", "temperature", "top_p", "stop",
+                 "user", "stream", "reply_to", "reply_partition"):
         del rec[name]
     req = Request.from_record(rec)
     assert (req.user_tier, req.task_tier, req.notify_queued, req.trace_id, req.metadata) == (
@@ -206,6 +235,8 @@ def test_request_from_record_fills_absent_optional_fields():
         {},
     )
     assert (req.admitted_at, req.effective_priority, req.degraded_from) == (None, None, None)
+    assert (req.messages, req.temperature, req.top_p, req.stop, req.user, req.stream, req.reply_to,
+            req.reply_partition) == ([], None, None, [], None, False, None, None)
 
 
 def test_request_gateway_fields_record_round_trip():
@@ -215,6 +246,86 @@ def test_request_gateway_fields_record_round_trip():
     assert (rec["admitted_at"], rec["degraded_from"]) == (123, "sim-large")
     back = Request.from_record(rec)
     assert back == req and back.effective_priority is Priority.CRITICAL
+
+
+# -- Request: the OpenAI shape (revision 4) -----------------------------------------
+
+
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is Kafka?"},
+                {"role": "assistant", "content": "A log.\nA distributed one."}, {"role": "user", "content": "And?"}]
+
+
+def test_request_new_from_messages_renders_the_prompt():
+    req = Request.new("t", messages=CONVERSATION, temperature=0.3, top_p=0.9, stop=["\n\n"], user="u-1",
+                      stream=True, reply_to="llm.replies.gw", reply_partition=4)
+    assert req.prompt == ("system: Be brief.\nuser: What is Kafka?\nassistant: A log.\nA distributed one.\n"
+                          "user: And?")
+    assert req.prompt == render_conversation(CONVERSATION)
+    assert req.messages == CONVERSATION and req.messages is not CONVERSATION
+    assert (req.temperature, req.top_p, req.stop, req.user, req.stream, req.reply_to, req.reply_partition) == (
+        0.3, 0.9, ["\n\n"], "u-1", True, "llm.replies.gw", 4)
+
+
+def test_request_new_keeps_a_prompt_given_with_messages():
+    assert Request.new("t", "summary of it", messages=CONVERSATION).prompt == "summary of it"
+
+
+def test_request_new_needs_a_prompt_or_messages():
+    for empty in ({}, {"messages": []}):
+        with pytest.raises(ValueError, match="prompt or messages"):
+            Request.new("t", **empty)
+    assert Request.new("t", "").prompt == ""  # an empty prompt is validation's to refuse
+
+
+def test_request_new_keeps_a_name_only_when_set():
+    req = Request.new("t", messages=[{"role": "user", "content": "hi", "name": None},
+                                     {"role": "user", "content": "yo", "name": "bob"}])
+    assert req.messages == [{"role": "user", "content": "hi"}, {"role": "user", "content": "yo", "name": "bob"}]
+
+
+@pytest.mark.parametrize("messages, fragment", [
+    (["hello"], "messages[0]: a message is a mapping"),
+    ([{"role": "user", "content": "a"}, {"role": "user"}], "messages[1]: missing content"),
+    ([{"content": "a"}], "messages[0]: missing role"),
+    ([{"role": "tool", "content": "a", "tool_call_id": "c1"}], "unknown keys ['tool_call_id']"),
+])
+def test_request_new_refuses_what_is_not_a_chat_message(messages, fragment):
+    with pytest.raises(ValueError) as info:
+        Request.new("t", messages=messages)
+    assert fragment in str(info.value)
+
+
+def test_request_new_takes_one_stop_string_as_openai_does():
+    assert Request.new("t", "p", stop="END").stop == ["END"]
+    assert Request.new("t", "p").stop == []
+
+
+def test_chat_messages():
+    plain = Request.new("t", "hello there")
+    assert plain.chat_messages() == [{"role": "user", "content": "hello there"}]
+    chat = Request.new("t", messages=CONVERSATION)
+    got = chat.chat_messages()
+    assert got == CONVERSATION
+    got[0]["content"] = "changed"  # copies: the request is untouched
+    assert chat.messages[0]["content"] == "Be brief."
+
+
+def test_request_openai_fields_record_round_trip():
+    req = Request.new("t", messages=[{"role": "user", "content": "hi", "name": "al"}], temperature=0.0, stop=["a"],
+                      stream=True, reply_to="llm.x", reply_partition=0)
+    rec = req.to_record()
+    assert rec["messages"] == [{"role": "user", "content": "hi", "name": "al"}]
+    assert Request.from_record(rec) == req
+    # fastavro hands back a null name as a key with None: it comes back without one.
+    rec["messages"] = [{"role": "user", "content": "hi", "name": None}]
+    assert Request.from_record(rec).messages == [{"role": "user", "content": "hi"}]
+
+
+def test_mutable_defaults_are_not_shared():
+    a, b = Request.new("t", "p"), Request.new("t", "p")
+    a.messages.append({"role": "user", "content": "x"})
+    a.stop.append("s")
+    assert (b.messages, b.stop) == ([], [])
 
 
 def test_request_from_record_errors():
@@ -280,6 +391,19 @@ def test_queued_response_record_round_trip():
     assert back == resp and not back.status.is_terminal
     del rec["queue_position"], rec["eta_ms"]  # as a revision 1 record has it
     assert (Response.from_record(rec).queue_position, Response.from_record(rec).eta_ms) == (None, None)
+
+
+def test_response_finish_reason_and_usage_estimated():
+    resp = Response.for_request(Request.new("t", "p"), Status.COMPLETED, output="x", finish_reason="length",
+                                usage_estimated=True)
+    rec = resp.to_record()
+    assert (rec["finish_reason"], rec["usage_estimated"]) == ("length", True)
+    assert Response.from_record(rec) == resp
+    del rec["finish_reason"], rec["usage_estimated"]  # as a revision 2 record has it
+    back = Response.from_record(rec)
+    assert (back.finish_reason, back.usage_estimated) == (None, False)
+    plain = Response.for_request(Request.new("t", "p"), Status.FAILED)
+    assert (plain.finish_reason, plain.usage_estimated) == (None, False)
 
 
 def test_response_from_record_rejects_unknown_symbols():

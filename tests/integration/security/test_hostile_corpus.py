@@ -22,6 +22,7 @@ with the reason; they are findings, not expectations.
 
 from __future__ import annotations
 
+import struct
 import time
 import tracemalloc
 import uuid
@@ -49,17 +50,22 @@ _STORE = SchemaStore.load()
 _REV = {r.revision: r for r in _STORE.revisions("llm_request")}
 CURRENT = _STORE.current_revision("llm_request")
 HEADER = b"\xc3\x01" + CURRENT.fingerprint.le_bytes
-HEADER_V1 = b"\xc3\x01" + _REV[1].fingerprint.le_bytes
+HEADERS = {n: b"\xc3\x01" + rev.fingerprint.le_bytes for n, rev in _REV.items()}
+HEADER_V1 = HEADERS[1]
 
-# Field order and kinds of the request schema: the current revision (3) and revision 1. Older
-# writers are resolved to the current revision by fastavro, after the same checks of their bytes
-# (see the v1_writer_* cases).
+# Field order and kinds of the request schema: the current revision (4), revision 3 and revision 1.
+# Older writers are resolved to the current revision by fastavro, after the same checks of their
+# bytes (see the v1_writer_* and v3_writer cases).
 FIELDS_V2 = (("request_id", "string"), ("tenant_id", "string"), ("priority", "enum"), ("prompt", "string"),
              ("model", "string"), ("max_tokens", "int"), ("created_at", "long"), ("timeout_ms", "long"),
              ("user_tier", "string"), ("task_tier", "enum"), ("allow_degrade", "boolean"),
              ("notify_queued", "boolean"), ("trace_id", "union"), ("metadata", "map"))
 FIELDS_V3 = FIELDS_V2 + (("admitted_at", "union"), ("effective_priority", "union"), ("degraded_from", "union"))
+FIELDS_V4 = FIELDS_V3 + (("messages", "messages"), ("temperature", "double_union"), ("top_p", "double_union"),
+                         ("stop", "strings"), ("user", "union"), ("stream", "boolean"), ("reply_to", "union"),
+                         ("reply_partition", "int_union"))
 FIELDS_V1 = tuple(f for f in FIELDS_V2 if f[0] not in ("notify_queued", "trace_id"))
+FIELDS = {1: FIELDS_V1, 3: FIELDS_V3, 4: FIELDS_V4}
 
 PRIORITY_INDEX = {p: i for i, p in enumerate(Priority)}
 DAY_MS = 24 * 3600 * 1000
@@ -89,6 +95,16 @@ def _field(kind: str, value) -> bytes:
         if not value:
             return b"\x00"
         return zz(len(value)) + b"".join(avro_string(k) + avro_string(v) for k, v in value.items()) + b"\x00"
+    if kind == "double_union":
+        return b"\x00" if value is None else b"\x02" + struct.pack("<d", value)
+    if kind == "int_union":
+        return b"\x00" if value is None else b"\x02" + zz(value)
+    if kind == "strings":
+        return (zz(len(value)) + b"".join(avro_string(v) for v in value) if value else b"") + b"\x00"
+    if kind == "messages":
+        items = b"".join(avro_string(m["role"]) + avro_string(m["content"]) + _field("union", m.get("name"))
+                         for m in value)
+        return (zz(len(value)) + items if value else b"") + b"\x00"
     raise AssertionError(kind)
 
 
@@ -98,20 +114,20 @@ def valid_fields(**over) -> dict:
                   prompt="hello there", model="sim-small", max_tokens=16, created_at=now_ms(),
                   timeout_ms=DAY_MS, user_tier="standard", task_tier=1, allow_degrade=False,
                   notify_queued=False, trace_id=None, metadata={}, admitted_at=None, effective_priority=None,
-                  degraded_from=None)
+                  degraded_from=None, messages=[], temperature=None, top_p=None, stop=[], user=None, stream=False,
+                  reply_to=None, reply_partition=None)
     values.update(over)
     return values
 
 
-def body(values: dict, revision: int = 3) -> bytes:
-    fields = FIELDS_V3 if revision == 3 else FIELDS_V1
-    return b"".join(_field(kind, values[name]) for name, kind in fields)
+def body(values: dict, revision: int = 4) -> bytes:
+    return b"".join(_field(kind, values[name]) for name, kind in FIELDS[revision])
 
 
-def raw_request(revision: int = 3, **over) -> tuple[str, bytes]:
+def raw_request(revision: int = 4, **over) -> tuple[str, bytes]:
     """(request_id, single-object message) of a request with the fields ``over`` overridden."""
     values = valid_fields(**over)
-    return values["request_id"], (HEADER if revision == 3 else HEADER_V1) + body(values, revision)
+    return values["request_id"], HEADERS[revision] + body(values, revision)
 
 
 def huge_count_message() -> bytes:
@@ -159,7 +175,7 @@ def _rejected(prefix: str) -> Answer:
     return Answer(REQ, prefix)
 
 
-def _request_case(name: str, expect: Answer, revision: int = 3, **over) -> Case:
+def _request_case(name: str, expect: Answer, revision: int = 4, **over) -> Case:
     rid, value = raw_request(revision, **over)
     return Case(name, value, expect, request_id=rid)
 
@@ -322,6 +338,56 @@ def build_corpus() -> list[Case]:
     add(_request_case("tenant_with_bidi_override", _rejected(CONTROL), tenant_id="tenant\u202egnp.exe"))
     add(_request_case("created_at_far_future", _rejected(INVALID + "created_at is"),
                       created_at=(1 << 63) - 1, timeout_ms=(1 << 63) - 1))
+
+    # -- revision 4: the OpenAI request shape ---------------------------------------------------
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there", "name": "al"}]
+
+    def chat_kept(resp: Response) -> None:
+        assert resp.output and resp.tenant_id == "tenant-corpus"
+
+    add(_request_case("v4_chat_request", Answer(Status.COMPLETED, check=chat_kept), messages=chat,
+                      prompt="system: Be brief.\nuser: hello there", temperature=0.5, top_p=0.9, stop=["\n\n"],
+                      user="end-user-1", reply_partition=0))
+    add(_request_case("v3_writer", Answer(Status.COMPLETED), revision=3))
+    one = {"role": "user", "content": "x"}
+    add(Case("messages_over_count_cap", raw_request(messages=[one] * 257)[1], Dlq("limit_exceeded")))
+    add(Case("stop_over_array_cap", raw_request(stop=["s"] * 65)[1], Dlq("limit_exceeded")))
+    add(Case("message_content_over_prompt_cap",
+             raw_request(messages=[{"role": "user", "content": "c" * (LIMITS.max_prompt_bytes + 1)}])[1],
+             Dlq("limit_exceeded")))
+    add(Case("message_role_over_string_cap",
+             raw_request(messages=[{"role": "r" * (LIMITS.max_string_bytes + 1), "content": "x"}])[1],
+             Dlq("limit_exceeded")))
+    add(Case("messages_huge_count", raw_request(messages=Raw(zz(1 << 62)))[1], Dlq("truncated")))
+    add(Case("stop_huge_negative_count", raw_request(stop=Raw(zz(-(1 << 62)) + zz(1 << 62)))[1], Dlq("truncated")))
+    add(Case("messages_wrong_block_size",
+             raw_request(messages=Raw(zz(-1) + zz(99) + avro_string("user") + avro_string("x") + b"\x00\x00"))[1],
+             Dlq("malformed")))
+    add(Case("message_name_union_index_2",
+             raw_request(messages=Raw(zz(1) + avro_string("user") + avro_string("x") + b"\x04\x02n\x00"))[1],
+             Dlq("invalid_field")))
+    add(Case("temperature_union_index_2", raw_request(temperature=Raw(b"\x04" + bytes(8)))[1], Dlq("invalid_field")))
+    add(Case("reply_partition_beyond_int32", raw_request(reply_partition=1 << 31)[1], Dlq("invalid_field")))
+    add(Case("stream_boolean_byte_0x02", raw_request(stream=2)[1], Dlq("invalid_field")))
+    add(Case("invalid_utf8_message_content",
+             raw_request(messages=Raw(zz(1) + avro_string("user") + b"\x04\xff\xfe" + b"\x00\x00"))[1],
+             Dlq("malformed")))
+    add(_request_case("unknown_chat_role", _rejected(INVALID + "messages[0].role must be one of"),
+                      messages=[{"role": "root", "content": "x"}]))
+    add(_request_case("role_with_escape_codes", _rejected(INVALID + "messages[0].role must be one of"),
+                      messages=[{"role": "\x1b]0;owned\x07", "content": "x"}]))
+    add(_request_case("message_name_with_newline", _rejected(INVALID + "messages[0].name must be"),
+                      messages=[{"role": "user", "content": "x", "name": "a\nX-Admin: 1"}]))
+    add(_request_case("temperature_above_2", _rejected(INVALID + "temperature must be"), temperature=2.5))
+    add(_request_case("temperature_nan", _rejected(INVALID + "temperature must be"), temperature=float("nan")))
+    add(_request_case("top_p_zero", _rejected(INVALID + "top_p must be"), top_p=0.0))
+    add(_request_case("five_stop_sequences", _rejected(INVALID + "stop has 5 sequences"), stop=list("abcde")))
+    add(_request_case("empty_stop_sequence", _rejected(INVALID + "stop[0] must be"), stop=[""]))
+    add(_request_case("user_with_control_chars", _rejected(INVALID + "user must be"), user="u\x00"))
+    add(_request_case("negative_reply_partition", _rejected(INVALID + "reply_partition must be >= 0"),
+                      reply_partition=-1))
+    add(_request_case("reply_to_not_a_topic_name", _rejected(INVALID + "reply_to must be a Kafka topic name"),
+                      reply_to="../../etc/passwd"))
     return cases
 
 
@@ -337,13 +403,19 @@ def test_corpus_is_large_distinct_and_named_uniquely():
 
 def test_the_raw_writer_agrees_with_the_codec():
     """The corpus's hand-written encoder writes exactly what the codec writes (no schema drift)."""
-    values = valid_fields(trace_id="abc", metadata={"k": "v"}, notify_queued=True)
-    req = Request(request_id=values["request_id"], tenant_id=values["tenant_id"], priority=Priority.NORMAL,
-                  prompt=values["prompt"], model=values["model"], max_tokens=16, created_at=values["created_at"],
-                  timeout_ms=values["timeout_ms"], trace_id="abc", metadata={"k": "v"}, notify_queued=True)
-    assert HEADER + body(values) == Codec.default().encode_request(req)
-    assert [f["name"] for f in CURRENT.parsed["fields"]] == [name for name, _ in FIELDS_V3]
-    assert [f["name"] for f in _REV[1].parsed["fields"]] == [name for name, _ in FIELDS_V1]
+    openai = dict(messages=[{"role": "user", "content": "hi", "name": "al"}, {"role": "system", "content": "s"}],
+                  temperature=0.25, top_p=1.0, stop=["a", "bc"], user="u", stream=True, reply_to="llm.r",
+                  reply_partition=300)
+    for extra in ({}, openai):
+        values = valid_fields(trace_id="abc", metadata={"k": "v"}, notify_queued=True, **extra)
+        req = Request(request_id=values["request_id"], tenant_id=values["tenant_id"], priority=Priority.NORMAL,
+                      prompt=values["prompt"], model=values["model"], max_tokens=16, created_at=values["created_at"],
+                      timeout_ms=values["timeout_ms"], trace_id="abc", metadata={"k": "v"}, notify_queued=True,
+                      **extra)
+        assert HEADER + body(values) == Codec.default().encode_request(req)
+    assert [f["name"] for f in CURRENT.parsed["fields"]] == [name for name, _ in FIELDS_V4]
+    for revision, fields in FIELDS.items():
+        assert [f["name"] for f in _REV[revision].parsed["fields"]] == [name for name, _ in fields]
 
 
 def test_the_huge_count_message_decodes_fast_in_little_memory():

@@ -11,7 +11,7 @@ from typing import Any
 
 import fastavro
 
-from pipeline.models import Priority, Request, Response, Status, TaskTier
+from pipeline.models import Chunk, Priority, Request, Response, Status, TaskTier
 from pipeline.testing import zigzag  # noqa: F401 (the serde tests take it from here)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -85,6 +85,15 @@ def full_request(**overrides: Any) -> Request:
         admitted_at=1_700_000_000_150,
         effective_priority=Priority.CRITICAL,
         degraded_from="sim-huge ✓",
+        messages=[{"role": "system", "content": "Be brief. ✓"},
+                  {"role": "user", "content": "Explain Avro.", "name": "alice"}],
+        temperature=0.7,
+        top_p=0.25,
+        stop=["\n\n", "END"],
+        user="end-user-7",
+        stream=True,
+        reply_to="llm.replies.gw-1",
+        reply_partition=2,
     )
     fields.update(overrides)
     return Request(**fields)
@@ -129,6 +138,8 @@ def full_response(**overrides: Any) -> Response:
         metadata={"trace_id": "trace-abc-123"},
         queue_position=12,
         eta_ms=4_200,
+        finish_reason="length",
+        usage_estimated=True,
     )
     fields.update(overrides)
     return Response(**fields)
@@ -146,3 +157,27 @@ def minimal_response(**overrides: Any) -> Response:
     )
     fields.update(overrides)
     return Response(**fields)
+
+
+def full_chunk(**overrides: Any) -> Chunk:
+    """A chunk with every optional field set."""
+    fields: dict[str, Any] = dict(
+        request_id="0b6f8a3c-2f1e-4d2a-9c53-6d7e8f901234",
+        tenant_id="tenant-42",
+        seq=41,
+        delta=" single-object ✓",
+        finish_reason="stop",
+        emitted_at=1_700_000_000_900,
+        worker_id="worker-3",
+    )
+    fields.update(overrides)
+    return Chunk(**fields)
+
+
+def minimal_chunk(**overrides: Any) -> Chunk:
+    """A chunk with every optional field left at its default."""
+    fields: dict[str, Any] = dict(
+        request_id="1c7e9b4d-3a2f-4e3b-8d64-7e8f9a012345", tenant_id="t", seq=0, delta="", emitted_at=0
+    )
+    fields.update(overrides)
+    return Chunk(**fields)

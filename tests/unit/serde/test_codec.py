@@ -114,9 +114,12 @@ def test_default_codec_is_cached():
 # -- schema evolution ---------------------------------------------------------------
 
 # What a reader of the current revision fills in for fields an older writer lacks.
-_REQUEST_REV2_DEFAULTS = dict(admitted_at=None, effective_priority=None, degraded_from=None)
+_REQUEST_REV3_DEFAULTS = dict(messages=[], temperature=None, top_p=None, stop=[], user=None, stream=False,
+                              reply_to=None, reply_partition=None)
+_REQUEST_REV2_DEFAULTS = dict(admitted_at=None, effective_priority=None, degraded_from=None, **_REQUEST_REV3_DEFAULTS)
 _REQUEST_REV1_DEFAULTS = dict(notify_queued=False, trace_id=None, **_REQUEST_REV2_DEFAULTS)
-_RESPONSE_REV1_DEFAULTS = dict(queue_position=None, eta_ms=None)
+_RESPONSE_REV2_DEFAULTS = dict(finish_reason=None, usage_estimated=False)
+_RESPONSE_REV1_DEFAULTS = dict(queue_position=None, eta_ms=None, **_RESPONSE_REV2_DEFAULTS)
 
 
 def test_revision_1_writer_decodes_with_current_reader(codec):
@@ -125,12 +128,22 @@ def test_revision_1_writer_decodes_with_current_reader(codec):
     assert codec.decode_request(data) == full_request(**_REQUEST_REV1_DEFAULTS)
 
 
-def test_revision_2_writer_decodes_with_revision_3_reader(codec):
+def test_revision_2_writer_decodes_with_current_reader(codec):
     rev2 = history_schema("llm_request", 2)
     data = _header(rev2) + avro_body(rev2, full_request().to_record())
     req = codec.decode_request(data)
     assert req == full_request(**_REQUEST_REV2_DEFAULTS)
     assert req.serving_priority is req.priority  # no gateway: the requested band
+
+
+def test_revision_3_writer_decodes_with_current_reader(codec):
+    rev3 = history_schema("llm_request", 3)
+    data = _header(rev3) + avro_body(rev3, full_request().to_record())
+    req = codec.decode_request(data)
+    assert req == full_request(**_REQUEST_REV3_DEFAULTS)
+    # An older writer's request is one user message, answered on the default topic.
+    assert req.chat_messages() == [{"role": "user", "content": req.prompt}]
+    assert (req.reply_to, req.reply_partition, req.stream) == (None, None, False)
 
 
 def _pinned(tmp_path_factory, label: str, **revisions: int) -> Codec:
@@ -150,16 +163,38 @@ def rev2_codec(tmp_path_factory) -> Codec:
     return _pinned(tmp_path_factory, "rev2", llm_request=2, llm_response=1)
 
 
+@pytest.fixture(scope="module")
+def rev3_codec(tmp_path_factory) -> Codec:
+    """A consumer deployed before the OpenAI shape: request revision 3, response revision 2."""
+    return _pinned(tmp_path_factory, "rev3", llm_request=3, llm_response=2)
+
+
 def test_current_writer_decodes_with_revision_1_reader(codec, old_codec):
     data = codec.encode_request(full_request())
     # Revision 1 knows none of the later fields: they come back as defaults.
     assert old_codec.decode_request(data) == full_request(**_REQUEST_REV1_DEFAULTS)
 
 
-def test_revision_3_writer_decodes_with_revision_2_reader(codec, rev2_codec):
+def test_current_writer_decodes_with_revision_2_reader(codec, rev2_codec):
     data = codec.encode_request(full_request())
-    assert data[:10] == _header(history_schema("llm_request", 3))
     assert rev2_codec.decode_request(data) == full_request(**_REQUEST_REV2_DEFAULTS)
+
+
+def test_revision_4_writer_decodes_with_revision_3_reader(codec, rev3_codec):
+    data = codec.encode_request(full_request())
+    assert data[:10] == _header(history_schema("llm_request", 4))
+    assert rev3_codec.decode_request(data) == full_request(**_REQUEST_REV3_DEFAULTS)
+
+
+def test_a_conversation_reaches_an_older_reader_as_its_prompt(codec, rev3_codec, old_codec):
+    req = Request.new("tenant", messages=[{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "What is Avro?"}], temperature=0.2)
+    data = codec.encode_request(req)
+    for older in (rev3_codec, old_codec):
+        seen = older.decode_request(data)
+        assert seen.prompt == "system: Be brief.\nuser: What is Avro?"
+        assert seen.messages == [] and seen.temperature is None
+    assert codec.decode_request(data).messages == req.messages
 
 
 def test_revision_1_codec_writes_revision_1(old_codec, codec):
@@ -174,15 +209,30 @@ def test_revision_2_codec_writes_revision_2(rev2_codec, codec):
     assert codec.decode_request(data) == full_request(**_REQUEST_REV2_DEFAULTS)
 
 
-def test_response_revision_1_writer_decodes_with_revision_2_reader(codec, old_codec):
+def test_revision_3_codec_writes_revision_3(rev3_codec, codec):
+    data = rev3_codec.encode_request(full_request())
+    assert data[:10] == _header(history_schema("llm_request", 3))
+    assert codec.decode_request(data) == full_request(**_REQUEST_REV3_DEFAULTS)
+
+
+def test_response_revision_1_writer_decodes_with_current_reader(codec, old_codec):
     data = old_codec.encode_response(full_response())
     assert data[:10] == _header(history_schema("llm_response", 1))
     assert codec.decode_response(data) == full_response(**_RESPONSE_REV1_DEFAULTS)
 
 
-def test_response_revision_2_writer_decodes_with_revision_1_reader(codec, old_codec):
-    data = codec.encode_response(full_response())
+def test_response_revision_2_writer_decodes_with_current_reader(codec, rev3_codec):
+    data = rev3_codec.encode_response(full_response())
     assert data[:10] == _header(history_schema("llm_response", 2))
+    back = codec.decode_response(data)
+    assert back == full_response(**_RESPONSE_REV2_DEFAULTS)
+    assert back.finish_reason is None and back.usage_estimated is False
+
+
+def test_response_revision_3_writer_decodes_with_older_readers(codec, old_codec, rev3_codec):
+    data = codec.encode_response(full_response())
+    assert data[:10] == _header(history_schema("llm_response", 3))
+    assert rev3_codec.decode_response(data) == full_response(**_RESPONSE_REV2_DEFAULTS)
     assert old_codec.decode_response(data) == full_response(**_RESPONSE_REV1_DEFAULTS)
 
 
@@ -298,11 +348,17 @@ def test_not_bytes(codec):
 def tight() -> tuple[Codec, Codec]:
     """(lenient encoder, strict decoder) so over-cap messages can be produced."""
     store = SchemaStore.load(SCHEMAS_DIR)
-    lenient = Codec(store, SerdeLimits(max_prompt_bytes=10**6, max_string_bytes=10**6, max_metadata_entries=10**6))
+    lenient = Codec(store, SerdeLimits(max_prompt_bytes=10**6, max_string_bytes=10**6, max_metadata_entries=10**6,
+                                       max_messages=10**6, max_array_items=10**6))
     strict = Codec(
-        store, SerdeLimits(max_prompt_bytes=100, max_string_bytes=40, max_metadata_entries=3, max_output_bytes=70)
+        store, SerdeLimits(max_prompt_bytes=100, max_string_bytes=40, max_metadata_entries=3, max_output_bytes=70,
+                           max_messages=3, max_array_items=2)
     )
     return lenient, strict
+
+
+def _messages(*contents: str, role: str = "user", **extra) -> list[dict]:
+    return [{"role": role, "content": c, **extra} for c in contents]
 
 
 @pytest.mark.parametrize(
@@ -318,6 +374,15 @@ def tight() -> tuple[Codec, Codec]:
         ({"metadata": {"a": "1", "b": "2", "c": "3", "d": "4"}}, "metadata"),
         ({"metadata": {"k" * 41: "v"}}, "metadata"),
         ({"metadata": {"k": "v" * 41}}, "metadata['k']"),
+        # A message's content is prompt text (the prompt's cap); its role and name are not.
+        ({"messages": _messages("c" * 101)}, "messages[].content: 101 bytes exceed max_prompt_bytes=100"),
+        ({"messages": _messages("c", role="r" * 41)}, "messages[].role: 41 bytes exceed max_string_bytes=40"),
+        ({"messages": _messages("c", name="n" * 41)}, "messages[].name"),
+        ({"messages": _messages("a", "b", "c", "d")}, "messages: 4 items exceed max_messages=3"),
+        ({"stop": ["s" * 41]}, "stop[]: 41 bytes exceed max_string_bytes=40"),
+        ({"stop": ["a", "b", "c"]}, "stop: 3 items exceed max_array_items=2"),
+        ({"user": "u" * 41}, "user"),
+        ({"reply_to": "r" * 41}, "reply_to"),
     ],
 )
 def test_request_field_caps(tight, overrides, field):
@@ -337,6 +402,40 @@ def test_caps_count_bytes_not_characters(tight):
     assert strict.decode_request(lenient.encode_request(req)) == req
 
 
+def test_requests_at_the_message_and_array_caps_pass(tight):
+    lenient, strict = tight
+    req = full_request(messages=_messages("€" * 33, "b", "c"), stop=["s" * 40, "t"])
+    assert strict.decode_request(lenient.encode_request(req)) == req
+    assert strict.decode_request(strict.encode_request(req)) == req
+
+
+def test_the_message_count_cap_counts_every_block(tight, codec):
+    lenient, strict = tight
+    data = lenient.encode_request(minimal_request(messages=_messages("a", "b"), stop=["x"]))
+    one_block = zigzag(2) + b"\x08user\x02a\x00" + b"\x08user\x02b\x00" + zigzag(0)
+    assert one_block in data
+    # The same two messages in two blocks, then four in four: the running total is capped.
+    two = data.replace(one_block, zigzag(1) + b"\x08user\x02a\x00" + zigzag(1) + b"\x08user\x02b\x00" + zigzag(0))
+    assert strict.decode_request(two).messages == _messages("a", "b")
+    four = data.replace(one_block, (zigzag(1) + b"\x08user\x02a\x00") * 4 + zigzag(0))
+    with pytest.raises(DecodeError) as info:
+        strict.decode_request(four)
+    assert _reason(info) == "limit_exceeded" and "LLMRequest.messages: 4 items exceed max_messages=3" in info.value.detail
+    assert len(codec.decode_request(four).messages) == 4  # the default cap is 256
+
+
+def test_default_message_cap(codec):
+    lenient = Codec(codec.store, SerdeLimits(max_messages=1000))
+    data = lenient.encode_request(minimal_request(messages=_messages(*("m" for _ in range(257)))))
+    with pytest.raises(DecodeError) as info:
+        codec.decode_request(data)
+    assert _reason(info) == "limit_exceeded" and "max_messages=256" in info.value.detail
+    with pytest.raises(EncodeError, match="max_messages=256"):
+        codec.encode_request(minimal_request(messages=_messages(*("m" for _ in range(257)))))
+    ok = minimal_request(messages=_messages(*("m" for _ in range(256))))
+    assert codec.decode_request(codec.encode_request(ok)) == ok
+
+
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
@@ -346,6 +445,7 @@ def test_caps_count_bytes_not_characters(tight):
         ({"worker_id": "w" * 41}, "worker_id"),
         ({"model": "m" * 41}, "model"),
         ({"metadata": {str(i): "" for i in range(4)}}, "metadata"),
+        ({"finish_reason": "f" * 41}, "finish_reason"),
     ],
 )
 def test_response_field_caps(tight, overrides, field):
@@ -383,14 +483,22 @@ def test_bad_enum_index(codec):
     assert _reason(info) == "invalid_field"
 
 
-def test_bad_union_index(codec):
+# The last fields of a minimal request, one byte each (all zero): metadata {}, then revision
+# 3's unions, then revision 4's fields.
+_TAIL = ("metadata", "admitted_at", "effective_priority", "degraded_from", "messages", "temperature", "top_p",
+         "stop", "user", "stream", "reply_to", "reply_partition")
+_UNIONS = ("admitted_at", "effective_priority", "degraded_from", "temperature", "top_p", "user", "reply_to",
+           "reply_partition")
+
+
+@pytest.mark.parametrize("field", _UNIONS)
+def test_bad_union_index(codec, field):
     data = codec.encode_request(minimal_request())
-    # minimal request: ... metadata=00, admitted_at, effective_priority, degraded_from branches=00
-    assert data.endswith(b"\x00\x00\x00\x00")
-    for at in (-3, -2, -1):
-        with pytest.raises(DecodeError) as info:
-            codec.decode_request(data[:at] + zigzag(9) + (data[at + 1:] if at < -1 else b""))
-        assert _reason(info) == "invalid_field"
+    assert data.endswith(bytes(len(_TAIL)))
+    at = len(data) - len(_TAIL) + _TAIL.index(field)
+    with pytest.raises(DecodeError) as info:
+        codec.decode_request(data[:at] + zigzag(9) + data[at + 1:])
+    assert _reason(info) == "invalid_field" and f"LLMRequest.{field}" in info.value.detail
 
 
 def test_negative_enum_index(codec, store):
@@ -454,12 +562,14 @@ def test_huge_map_count_is_rejected_fast(codec):
     # Every field at its smallest (one byte each), then a map block count of 2**62
     # where the empty metadata map's terminating zero was.
     data = codec.encode_request(minimal_request(request_id="", tenant_id="", prompt="", model="", user_tier=""))
-    assert len(data) == 10 + 17 and data[-4:] == bytes(4)  # metadata {}, then revision 3's three nulls
+    assert len(data) == 10 + 25 and data[-len(_TAIL):] == bytes(len(_TAIL))
     start = time.perf_counter()
-    for count in (2**62, -(2**62), 2**63 - 1, -(2**63)):
-        with pytest.raises(DecodeError) as info:
-            codec.decode_request(data[:-4] + zigzag(count) + data[-3:])
-        assert _reason(info) == "truncated"
+    for field in ("metadata", "messages", "stop"):  # a map and two arrays
+        at = len(data) - len(_TAIL) + _TAIL.index(field)
+        for count in (2**62, -(2**62), 2**63 - 1, -(2**63)):
+            with pytest.raises(DecodeError) as info:
+                codec.decode_request(data[:at] + zigzag(count) + data[at + 1:])
+            assert _reason(info) == "truncated" and f"LLMRequest.{field}" in info.value.detail
     assert time.perf_counter() - start < 0.1
 
 
@@ -504,6 +614,24 @@ def test_huge_array_count_is_rejected_fast(tmp_path):
         ({"admitted_at": True}, "admitted_at"),
         ({"admitted_at": "soon"}, "admitted_at"),
         ({"degraded_from": 7}, "degraded_from"),
+        ({"messages": [{"role": "user"}]}, "ChatMessage.content"),
+        ({"messages": [{"role": "user", "content": 7}]}, "ChatMessage.content"),
+        ({"messages": ["hello"]}, "messages"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"top_p": [0.5]}, "top_p"),
+        # fastavro would write these as ["E", "N", "D"], ["a"], false and true.
+        ({"stop": "END"}, "LLMRequest.stop: a str is not a list"),
+        ({"stop": {"a": 1}}, "LLMRequest.stop: a dict is not a list"),
+        ({"messages": "hello"}, "LLMRequest.messages: a str is not a list"),
+        ({"stream": None}, "LLMRequest.stream: None is not a bool"),
+        ({"allow_degrade": "yes"}, "LLMRequest.allow_degrade: 'yes' is not a bool"),
+        ({"notify_queued": 1}, "LLMRequest.notify_queued"),
+        ({"max_tokens": None}, "LLMRequest.max_tokens: None is not an int"),
+        ({"stop": [None]}, "stop"),
+        ({"reply_partition": True}, "reply_partition"),
+        ({"reply_partition": 1.0}, "reply_partition"),
+        ({"reply_partition": 2**31}, "reply_partition"),
     ],
 )
 def test_encode_errors_name_the_record_and_field(codec, overrides, needle):
@@ -532,9 +660,19 @@ def test_encode_rejects_wrong_objects(codec):
         codec.encode_response(object())  # type: ignore[arg-type]
 
 
+def test_an_error_message_shows_a_bounded_part_of_a_value(codec):
+    with pytest.raises(EncodeError) as info:
+        codec.encode_request(full_request(max_tokens="x" * 10_000))
+    assert len(str(info.value)) < 200
+
+
 def test_response_encode_errors(codec):
     with pytest.raises(EncodeError, match="LLMResponse.*started_at"):
         codec.encode_response(full_response(started_at=1.5))
+    with pytest.raises(EncodeError, match="LLMResponse.usage_estimated: None is not a bool"):
+        codec.encode_response(full_response(usage_estimated=None))
+    with pytest.raises(EncodeError, match="LLMResponse.finish_reason"):
+        codec.encode_response(full_response(finish_reason=7))
     with pytest.raises(EncodeError, match="LLMResponse"):
         codec.encode_response(full_response(served_priority="LOW"))
 
@@ -544,3 +682,27 @@ def test_confluent_wire_needs_registry_and_topic(codec):
         codec.encode_request(full_request(), wire="confluent", topic="t")
     with pytest.raises(EncodeError, match="wire format"):
         codec.encode_request(full_request(), wire="json")  # type: ignore[arg-type]
+
+
+# -- limits ---------------------------------------------------------------------------------------
+
+
+def test_limits_say_which_cap_holds_where():
+    limits = SerdeLimits(max_prompt_bytes=10, max_output_bytes=20, max_string_bytes=30, max_messages=4,
+                         max_array_items=5)
+    assert limits.cap_at("LLMRequest.prompt") == (10, "max_prompt_bytes")
+    assert limits.cap_at("LLMRequest.messages[].content") == (10, "max_prompt_bytes")
+    assert limits.cap_at("LLMRequest.messages[].role") == (30, "max_string_bytes")
+    assert limits.cap_at("LLMResponse.output") == limits.cap_at("LLMChunk.delta") == (20, "max_output_bytes")
+    assert limits.string_cap("LLMRequest", "prompt") == (10, "max_prompt_bytes")
+    assert limits.string_cap("LLMResponse", "reason") == (30, "max_string_bytes")
+    assert limits.items_cap_at("LLMRequest.messages") == (4, "max_messages")
+    assert limits.items_cap_at("LLMRequest.stop") == (5, "max_array_items")
+    assert (SerdeLimits().max_messages, SerdeLimits().max_array_items) == (256, 64)
+
+
+@pytest.mark.parametrize("name", ["max_messages", "max_array_items"])
+@pytest.mark.parametrize("value", [-1, 1.5, "8", None])
+def test_limits_must_be_non_negative_ints(name, value):
+    with pytest.raises(ValueError, match=f"SerdeLimits.{name}"):
+        SerdeLimits(**{name: value})

@@ -21,6 +21,7 @@ from tests.unit.serde import (
     history_schema,
     load_json,
     minimal_request,
+    pinned_schema_dir,
     write_schema_dir,
     zigzag,
 )
@@ -30,7 +31,7 @@ CODEC = Codec(STORE)
 REVISIONS = {r.revision: r for r in STORE.revisions("llm_request")}
 
 
-def message(revision: int = 3, **fields: bytes) -> bytes:
+def message(revision: int = 4, **fields: bytes) -> bytes:
     """A request written as ``revision`` with every field at its one-byte smallest (priority
     NORMAL, task tier ASYNC), the fields named replaced by the bytes given."""
     rev = REVISIONS[revision]
@@ -49,7 +50,7 @@ def refused(data: bytes, codec: Codec = CODEC) -> DecodeError:
     return info.value
 
 
-every_revision = pytest.mark.parametrize("revision", [1, 2, 3])
+every_revision = pytest.mark.parametrize("revision", [1, 2, 3, 4])
 
 
 @every_revision
@@ -79,7 +80,7 @@ def test_an_enum_index_is_within_its_symbols(revision, field, index):
     assert f"LLMRequest.{field}" in error.detail
 
 
-@pytest.mark.parametrize("revision", [2, 3])
+@pytest.mark.parametrize("revision", [2, 3, 4])
 @pytest.mark.parametrize("index", [-1, 2, 77])
 def test_a_union_index_is_within_its_branches(revision, index):
     error = refused(message(revision, trace_id=zigzag(index) + b"\x02a"))
@@ -115,7 +116,7 @@ def test_longs_of_every_length_round_trip():
     for k in range(63):
         values.update({2**k - 1, 2**k, 2**k + 1, -(2**k), -(2**k) - 1, rng.randrange(2**k, 2**(k + 1))})
     for value in sorted(values):
-        data = message(3, created_at=zigzag(value))
+        data = message(4, created_at=zigzag(value))
         assert CODEC.decode_request(data).created_at == value
         assert CODEC.encode_request(CODEC.decode_request(data)) == data
 
@@ -159,8 +160,9 @@ def test_the_map_entry_cap_counts_encoded_entries(revision):
     error = refused(message(revision, metadata=zigzag(40) + entries[:200] + zigzag(-25) + zigzag(125)
                             + entries[200:] + b"\x00"))
     assert error.reason == "limit_exceeded" and "65 entries" in error.detail
-    # a count the rest of the message cannot hold is a cut message first
-    assert refused(message(revision, metadata=zigzag(65) + entries[:125])).reason == "truncated"
+    # a count the rest of the message cannot hold (65 entries of 2 bytes or more, in the 23
+    # entries' bytes and the fields after them) is a cut message first
+    assert refused(message(revision, metadata=zigzag(65) + entries[:115])).reason == "truncated"
 
 
 def _peak_bytes(data: bytes, codec: Codec = CODEC) -> tuple[DecodeError, int, float]:
@@ -295,3 +297,99 @@ def test_every_avro_type_is_checked(exotic):
     assert error.reason == "malformed" and "LLMRequest.x_array" in error.detail
     error = refused(data.replace(array, zigzag(2**40) + b"\x02\x03"), codec)
     assert error.reason == "truncated" and "LLMRequest.x_array" in error.detail
+
+
+# -- revision 4's arrays and nested record ------------------------------------------------------------
+
+
+def _chat(role: bytes = b"user", content: bytes = b"hi", name: bytes = b"\x00") -> bytes:
+    """One ChatMessage as bytes: role, content, the name's union branch (and value)."""
+    return zigzag(len(role)) + role + zigzag(len(content)) + content + name
+
+
+@pytest.mark.parametrize(("blocks", "expected"), [
+    (zigzag(1) + _chat() + zigzag(1) + _chat(b"assistant", b"yo") + b"\x00", 2),  # two blocks
+    (zigzag(-2) + zigzag(2 * len(_chat())) + _chat() * 2 + b"\x00", 2),  # count < 0, then byte size
+    (b"\x80\x00", 0),  # a zero count in two bytes ends the array
+])
+def test_message_blocks(blocks, expected):
+    assert len(CODEC.decode_request(message(messages=blocks)).messages) == expected
+
+
+@pytest.mark.parametrize("size", [zigzag(3), zigzag(999), zigzag(-4)])
+def test_a_message_block_byte_size_is_its_size(size, tmp_path):
+    data = message(messages=zigzag(-1) + size + _chat() + b"\x00")
+    error = refused(data)
+    assert error.reason == "malformed" and "LLMRequest.messages" in error.detail
+    # A reader of revision 3 skips the whole field by that size: it checks it all the same.
+    older = Codec(SchemaStore.load(pinned_schema_dir(tmp_path / "s", llm_request=3), allow_older_current=True))
+    assert refused(data, older).reason == "malformed"
+    right = message(messages=zigzag(-1) + zigzag(len(_chat())) + _chat() + b"\x00", prompt=b"\x02p")
+    assert older.decode_request(right).prompt == "p"
+
+
+@pytest.mark.parametrize("index", [-1, 2, 77])
+def test_a_message_name_union_index_is_within_its_branches(index):
+    error = refused(message(messages=zigzag(1) + _chat(name=zigzag(index) + b"\x02n") + b"\x00"))
+    assert error.reason == "invalid_field" and "LLMRequest.messages[].name" in error.detail
+
+
+def test_the_array_caps_count_encoded_items_across_blocks():
+    one = _chat()
+    error = refused(message(messages=(zigzag(1) + one) * 257 + b"\x00"))
+    assert error.reason == "limit_exceeded" and "257 items exceed max_messages=256" in error.detail
+    error = refused(message(stop=zigzag(40) + b"\x02s" * 40 + zigzag(25) + b"\x02s" * 25 + b"\x00"))
+    assert error.reason == "limit_exceeded" and "LLMRequest.stop: 65 items exceed max_array_items=64" in error.detail
+    assert len(CODEC.decode_request(message(stop=zigzag(64) + b"\x02s" * 64 + b"\x00")).stop) == 64
+
+
+def test_an_array_over_its_cap_is_refused_before_it_is_built():
+    # 500,000 empty stop strings in under 1 MB: a list fastavro would build in full
+    data = message(stop=zigzag(500_000) + b"\x00" * 500_000 + b"\x00")
+    assert len(data) < SerdeLimits().max_record_bytes
+    error, peak, elapsed = _peak_bytes(data)
+    assert error.reason == "limit_exceeded" and "LLMRequest.stop" in error.detail
+    assert peak < 1_000_000 and elapsed < 0.1, (peak, elapsed)
+
+
+@pytest.mark.parametrize("field", ["messages", "stop"])
+@pytest.mark.parametrize("count", [2**62, -(2**62), 2**63 - 1])
+def test_huge_array_counts_are_refused_at_once(field, count):
+    error, peak, elapsed = _peak_bytes(message(**{field: zigzag(count) + (zigzag(2**62) if count < 0 else b"")}))
+    assert error.reason == "truncated" and f"LLMRequest.{field}" in error.detail
+    assert peak < 100_000 and elapsed < 0.1
+
+
+def test_a_message_content_has_the_prompt_cap_and_its_role_the_string_cap():
+    tight = Codec(STORE, SerdeLimits(max_prompt_bytes=100, max_string_bytes=40))
+    error = refused(message(messages=zigzag(1) + _chat(content=b"c" * 101) + b"\x00"), tight)
+    assert error.reason == "limit_exceeded"
+    assert "LLMRequest.messages[].content: 101 bytes exceed max_prompt_bytes=100" in error.detail
+    error = refused(message(messages=zigzag(1) + _chat(role=b"r" * 41) + b"\x00"), tight)
+    assert "LLMRequest.messages[].role: 41 bytes exceed max_string_bytes=40" in error.detail
+    ok = tight.decode_request(message(messages=zigzag(1) + _chat(content=b"c" * 100) + b"\x00"))
+    assert ok.messages == [{"role": "user", "content": "c" * 100}]
+
+
+def test_a_cut_message_names_the_nested_field_it_ends_in():
+    data = message(messages=zigzag(1) + _chat(content=b"c" * 30) + b"\x00")
+    at = data.index(b"c" * 30)
+    error = refused(data[:at + 10])
+    assert error.reason == "truncated" and "LLMRequest.messages[].content" in error.detail
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_a_double_needs_its_eight_bytes(field):
+    double = b"\x02" + b"\xab" * 8
+    data = message(**{field: double})
+    assert CODEC.decode_request(data) is not None
+    at = data.index(double)
+    for cut in range(at + 1, at + 9):
+        error = refused(data[:cut])
+        assert error.reason == "truncated" and f"LLMRequest.{field}" in error.detail
+
+
+def test_reply_partition_is_a_32_bit_int():
+    error = refused(message(reply_partition=b"\x02" + zigzag(2**31)))
+    assert error.reason == "invalid_field" and "LLMRequest.reply_partition" in error.detail
+    assert CODEC.decode_request(message(reply_partition=b"\x02" + zigzag(2**31 - 1))).reply_partition == 2**31 - 1

@@ -12,10 +12,12 @@ from pipeline.serde import Codec, SchemaLoadError, SchemaStore, SerdeLimits
 from tests.unit.serde import (
     avro_body,
     copy_schema_dir,
+    full_chunk,
     full_request,
     full_response,
     history_schema,
     load_json,
+    minimal_request,
     pinned_schema_dir,
     zigzag,
 )
@@ -48,7 +50,7 @@ def _older_request(revision: int) -> bytes:
 def _decode_errors(codec: Codec) -> list[DecodeError]:
     current = codec.encode_request(full_request(metadata={"a": "b"}))
     bad_inputs = [current[:cut] for cut in range(len(current))]  # every truncation
-    for revision in (1, 2):
+    for revision in (1, 2, 3):
         older = _older_request(revision)
         bad_inputs += [older[:cut] for cut in range(10, len(older))]
         bad_inputs.append(older + b"\x00")  # trailing
@@ -68,6 +70,11 @@ def _decode_errors(codec: Codec) -> list[DecodeError]:
         with pytest.raises(DecodeError) as info:
             codec.decode_request(data)
         errors.append(info.value)
+    chunk = codec.encode_chunk(full_chunk())
+    for data in [chunk[:cut] for cut in range(len(chunk))] + [chunk + b"\x00", current, chunk[:10] + zigzag(1 << 62)]:
+        with pytest.raises(DecodeError) as info:
+            codec.decode_chunk(data)
+        errors.append(info.value)
     return errors
 
 
@@ -82,7 +89,10 @@ def test_decode_errors_name_no_path(codec):
 def test_a_fingerprint_of_another_record_is_named_by_revision(codec):
     with pytest.raises(DecodeError) as info:
         codec.decode_request(codec.encode_response(full_response()))
-    assert "llm_response revision 2" in str(info.value)
+    assert "llm_response revision 3" in str(info.value)
+    with pytest.raises(DecodeError) as info:
+        codec.decode_chunk(codec.encode_request(minimal_request()))
+    assert "llm_request revision 4" in str(info.value) and "LLMChunk" in str(info.value)
 
 
 def test_decode_errors_of_a_pinned_reader_name_no_path(tmp_path):

@@ -24,6 +24,13 @@ from tests.unit.serde import (
 
 TOPIC = "llmq.requests"
 
+# What a reader fills in for the fields a revision 1 writer lacks, and a revision 1 reader
+# for the fields it lacks itself.
+_REQUEST_REV1_DEFAULTS = dict(notify_queued=False, trace_id=None, admitted_at=None, effective_priority=None,
+                              degraded_from=None, messages=[], temperature=None, top_p=None, stop=[], user=None,
+                              stream=False, reply_to=None, reply_partition=None)
+_RESPONSE_REV1_DEFAULTS = dict(queue_position=None, eta_ms=None, finish_reason=None, usage_estimated=False)
+
 
 @pytest.fixture(scope="module")
 def store() -> SchemaStore:
@@ -122,8 +129,7 @@ def test_revision_1_writer_through_registry(codec, registry):
     schema_id = registry.client.register_schema(f"{TOPIC}-value", Schema(json.dumps(rev1), "AVRO"))
     record = full_request().to_record()
     data = b"\x00" + schema_id.to_bytes(4, "big") + avro_body(rev1, record)
-    assert codec.decode_request(data) == full_request(
-        notify_queued=False, trace_id=None, admitted_at=None, effective_priority=None, degraded_from=None)
+    assert codec.decode_request(data) == full_request(**_REQUEST_REV1_DEFAULTS)
 
 
 def test_current_writer_to_revision_1_reader_through_registry(codec, registry, tmp_path):
@@ -134,14 +140,13 @@ def test_current_writer_to_revision_1_reader_through_registry(codec, registry, t
     )
     old = Codec(SchemaStore.load(root), registry=RegistryFormat(registry.client))
     data = codec.encode_request(full_request(), wire="confluent", topic=TOPIC)
-    # The old consumer has never heard of revisions 2 and 3: the registry tells it.
-    assert old.decode_request(data) == full_request(
-        notify_queued=False, trace_id=None, admitted_at=None, effective_priority=None, degraded_from=None)
+    # The old consumer has never heard of revisions 2 to 4: the registry tells it.
+    assert old.decode_request(data) == full_request(**_REQUEST_REV1_DEFAULTS)
 
 
 def _future_response_schema(symbol: str) -> dict:
     """A later response revision (not published here) with one more Status symbol."""
-    schema = history_schema("llm_response", 2)
+    schema = history_schema("llm_response", 3)
     for f in schema["fields"]:
         if f["name"] == "status":
             f["type"]["symbols"].append(symbol)
@@ -170,7 +175,7 @@ def test_revision_1_reader_cannot_read_queued_but_reads_the_rest(codec, registry
     )
     old = Codec(SchemaStore.load(root), registry=RegistryFormat(registry.client))
     data = codec.encode_response(full_response(), wire="confluent", topic=TOPIC)
-    assert old.decode_response(data) == full_response(queue_position=None, eta_ms=None)
+    assert old.decode_response(data) == full_response(**_RESPONSE_REV1_DEFAULTS)
     queued = codec.encode_response(full_response(status=Status.QUEUED), wire="confluent", topic=TOPIC)
     with pytest.raises(DecodeError) as info:
         old.decode_response(queued)

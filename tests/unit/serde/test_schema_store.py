@@ -39,13 +39,48 @@ def _record(name: str, fields: list[dict]) -> dict:
 
 
 def test_loads_all_published_revisions(store):
-    assert store.names() == ["llm_request", "llm_response"]
-    assert [r.revision for r in store.revisions("llm_request")] == [1, 2, 3]
-    assert [r.revision for r in store.revisions("llm_response")] == [1, 2]
-    assert store.current_revision("llm_request").revision == 3
-    assert store.current_revision("llm_response").revision == 2
+    assert store.names() == ["llm_chunk", "llm_request", "llm_response"]
+    assert [r.revision for r in store.revisions("llm_request")] == [1, 2, 3, 4]
+    assert [r.revision for r in store.revisions("llm_response")] == [1, 2, 3]
+    assert [r.revision for r in store.revisions("llm_chunk")] == [1]
+    assert store.current_revision("llm_request").revision == 4
+    assert store.current_revision("llm_response").revision == 3
+    assert store.current_revision("llm_chunk").revision == 1
     assert store.current_revision("llm_request").fullname == "io.llmq.v1.LLMRequest"
     assert store.current_revision("llm_response").fullname == "io.llmq.v1.LLMResponse"
+    assert store.current_revision("llm_chunk").fullname == "io.llmq.v1.LLMChunk"
+
+
+def test_every_revision_keeps_the_fields_before_it_and_defaults_the_new_ones(store):
+    """What keeps io.llmq.v1 compatible both ways: a revision keeps every field of the one
+    before, in order and of the same type (an enum may gain symbols at its end), and every
+    field it adds has a default."""
+    for name in store.names():
+        revisions = store.revisions(name)
+        for before, after in zip(revisions, revisions[1:]):
+            old = {f["name"]: f for f in before.raw["fields"]}
+            new = [f["name"] for f in after.raw["fields"]]
+            assert [n for n in new if n in old] == list(old), (name, after.revision)
+            for f in after.raw["fields"]:
+                if f["name"] not in old:
+                    assert "default" in f, (name, after.revision, f["name"])
+                    continue
+                was, now = old[f["name"]]["type"], f["type"]
+                if isinstance(was, dict) and was.get("type") == "enum":
+                    assert now["symbols"][: len(was["symbols"])] == was["symbols"], (name, f["name"])
+                else:
+                    assert now == was, (name, after.revision, f["name"])
+            assert after.raw["namespace"] == before.raw["namespace"] == "io.llmq.v1"
+
+
+def test_the_openai_fields_come_last():
+    # Appended, so that positional construction of the models with the earlier fields holds.
+    request3, request4 = (history_schema("llm_request", n)["fields"] for n in (3, 4))
+    assert [f["name"] for f in request4[: len(request3)]] == [f["name"] for f in request3]
+    assert [f["name"] for f in request4[len(request3):]] == [
+        "messages", "temperature", "top_p", "stop", "user", "stream", "reply_to", "reply_partition"]
+    response2, response3 = (history_schema("llm_response", n)["fields"] for n in (2, 3))
+    assert [f["name"] for f in response3[len(response2):]] == ["finish_reason", "usage_estimated"]
 
 
 def test_default_directory_is_the_repo_schemas(monkeypatch):
@@ -103,7 +138,7 @@ def test_current_must_equal_newest_revision(tmp_path):
     schema = load_json(root / "llm_request.avsc")
     schema["fields"].insert(-1, {"name": "extra", "type": "int", "default": 0})
     (root / "llm_request.avsc").write_text(json.dumps(schema))
-    with pytest.raises(SchemaLoadError, match="differs from llm_request revision 3"):
+    with pytest.raises(SchemaLoadError, match="differs from llm_request revision 4"):
         SchemaStore.load(root)
     with pytest.raises(SchemaLoadError, match="equals no published revision"):
         SchemaStore.load(root, allow_older_current=True)
@@ -138,7 +173,7 @@ def test_reformatting_current_is_fine(tmp_path):
     root = copy_schema_dir(tmp_path / "s")
     schema = load_json(root / "llm_request.avsc")
     (root / "llm_request.avsc").write_text(json.dumps(schema, separators=(",", ":")))
-    assert SchemaStore.load(root).current_revision("llm_request").revision == 3
+    assert SchemaStore.load(root).current_revision("llm_request").revision == 4
 
 
 def test_revisions_must_not_have_gaps(tmp_path):
@@ -285,16 +320,17 @@ def test_store_refuses_to_load_an_unbounded_schema(tmp_path):
 
 def test_minimum_sizes_of_the_real_schemas(store):
     # Lower bounds used by the guards: every field takes at least one byte.
-    assert check_schema_bounded(load_json(SCHEMAS_DIR / "llm_request.avsc")) == 17
-    assert check_schema_bounded(load_json(SCHEMAS_DIR / "llm_response.avsc")) == 20
+    assert check_schema_bounded(load_json(SCHEMAS_DIR / "llm_request.avsc")) == 25
+    assert check_schema_bounded(load_json(SCHEMAS_DIR / "llm_response.avsc")) == 22
+    assert check_schema_bounded(load_json(SCHEMAS_DIR / "llm_chunk.avsc")) == 7
 
 
 def test_every_published_revision_still_resolves(store):
     """Bytes written with any revision ever published name a schema the store still has."""
-    for name, count in (("llm_request", 3), ("llm_response", 2)):
+    for name, count in (("llm_request", 4), ("llm_response", 3), ("llm_chunk", 1)):
         for revision in range(1, count + 1):
             published = load_json(HISTORY_DIR / f"{name}.{revision}.avsc")
             fp = schema_fingerprint(published).le_bytes
             found = store.writer_for_fingerprint(fp)
             assert found is not None and (found.name, found.revision) == (name, revision)
-    assert len({r.fingerprint.le_bytes for n in store.names() for r in store.revisions(n)}) == 5
+    assert len({r.fingerprint.le_bytes for n in store.names() for r in store.revisions(n)}) == 8
