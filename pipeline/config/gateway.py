@@ -86,7 +86,8 @@ class GatewaySettings:
     tier_offsets: dict[str, int] = field(default_factory=lambda: {"enterprise": -1, "standard": 0, "free": 1})
     urgent_ms: int = 2_000
     urgent_eta_factor: float = 2.0
-    #: Load (queued work over target_queue_ms) at or above which non-critical work moves down a band.
+    #: Load (a band's waits over target_queue_ms; at most 10) at or above which non-critical work
+    #: moves down a band; above 10 never.
     high_load: float = 0.8
     #: How much queued work, in time at the current drain rate, counts as full load (1.0).
     target_queue_ms: int = 2_000
@@ -177,8 +178,9 @@ class GatewaySettings:
             if getattr(self, key) <= 0:
                 raise ConfigError(f"gateway.{key}", f"must be > 0, got {getattr(self, key)!r}")
         for key in ("high_load", "degrade_load"):
-            if not 0 < getattr(self, key) <= 10:
-                raise ConfigError(f"gateway.{key}", "must be a load above 0 (1.0 = target_queue_ms of queued work)")
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"gateway.{key}", "must be a load above 0 (1.0 = waits of target_queue_ms; "
+                                                    "the load never exceeds 10, so more turns it off)")
         for key in ("urgent_ms", "simple_prompt_tokens", "simple_max_tokens", "default_drain_rate", "dedupe_horizon_ms",
                     "producer_linger_ms"):
             if getattr(self, key) < 0:

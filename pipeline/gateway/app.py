@@ -129,7 +129,7 @@ class Gateway:
             self.queues,
             DegradePolicy(load=g.degrade_load, downgrade=dict(g.downgrade), simple_prompt_tokens=g.simple_prompt_tokens,
                           simple_max_tokens=g.simple_max_tokens),
-            max_timeout_ms=g.max_timeout_ms)
+            max_timeout_ms=g.max_timeout_ms, topics_prefix=t.prefix)
         self.cancellations: CancellationView | None = None
         self._reload = True  # after a rebalance: memory is rebuilt from the recovered tables
         self._stopping = False

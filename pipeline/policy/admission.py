@@ -88,13 +88,15 @@ def estimate_prompt_tokens(prompt: str) -> int:
 
 class Admission:
     def __init__(self, priority: PriorityPolicy, limits: RateLimits, quotas: FairnessQuotas, queues: QueueModel,
-                 degrade: DegradePolicy, *, max_timeout_ms: int = 600_000):
+                 degrade: DegradePolicy, *, max_timeout_ms: int = 600_000, topics_prefix: str | None = None):
         self.priority = priority
         self.limits = limits
         self.quotas = quotas
         self.queues = queues
         self.degrade = degrade
         self.max_timeout_ms = max_timeout_ms
+        #: Where a request's reply_to may point (under the pipeline's topic prefix).
+        self.topics_prefix = topics_prefix
 
     def deadline_ms(self, req: Request) -> int:
         return req.created_at + min(req.timeout_ms, self.max_timeout_ms)
@@ -105,7 +107,7 @@ class Admission:
         token buckets; a gateway that falls behind then neither squeezes a backlog through one
         burst nor lets it through late, and a request decided again (after a crash) meets the
         buckets at the same moment. Deadlines run on ``now_ms``."""
-        problem = validate_request(req, now_ms)
+        problem = validate_request(req, now_ms, self.topics_prefix)
         if problem is not None:
             return Decision(Action.REJECT, problem)
         if cancelled:

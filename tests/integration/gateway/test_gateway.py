@@ -43,10 +43,11 @@ BACKGROUND = 0
 
 @contextlib.contextmanager
 def running_gateway(settings, tmp_path: Path, *, requests_per_window: int = 1000, app_id: str | None = None,
-                    env: dict[str, str] | None = None):
-    """``llmq gateway`` as a process (as deployed); stopped with SIGTERM on exit."""
-    config = tmp_path / "gateway.toml"
-    config.write_text(GATEWAY_TOML.format(requests=requests_per_window))
+                    env: dict[str, str] | None = None, toml: str | None = None):
+    """``llmq gateway`` as a process (as deployed); stopped with SIGTERM on exit. ``toml``: its
+    whole config file instead of the small one above."""
+    config = tmp_path / f"gateway-{time.monotonic_ns()}.toml"
+    config.write_text(toml if toml is not None else GATEWAY_TOML.format(requests=requests_per_window))
     app_id = app_id or f"{settings.topics.prefix}-gateway"
     log_path = tmp_path / f"gateway-{time.monotonic_ns()}.log"
     env = {**os.environ, "LLMQ_CONFIG": str(config), "LLMQ_BOOTSTRAP": settings.kafka.bootstrap,
