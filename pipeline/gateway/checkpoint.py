@@ -44,7 +44,7 @@ class Checkpoint:
         self.rounds = 0
 
     def after_write(self, event, outputs: list) -> None:
-        """Send ``outputs`` (``(topic, value, key, headers)``) once ``event``'s decision is written,
+        """Send ``outputs`` (``(topic, value, key, headers[, partition])``) once ``event``'s decision is written,
         and acknowledge ``event`` once they are delivered and its state is written."""
         done = Done(event, len(outputs))
         self._pending.extend((output, done) for output in outputs)
@@ -84,8 +84,8 @@ class Checkpoint:
             written, self._unwritten = self._unwritten, []
         await self.producer.flush()
         send = self.outputs.send
-        for (topic, value, key, headers), done in pending:
-            send(topic, value, key, done, headers)
+        for output, done in pending:
+            send(output[0], output[1], output[2], done, output[3], *output[4:])
         for done in written:
             done.one()
         self.rounds += 1

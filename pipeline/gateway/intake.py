@@ -61,6 +61,7 @@ class Intake:
         self.metrics = metrics
         self.cancelled = cancelled
         self.responses = topics.responses
+        self.response_partitions = topics.response_partitions
         self.dlq = topics.dlq
         self.dispatch = {p: topics.dispatch_topic(p) for p in BANDS}
         #: A request topic's name in the tenant records' ``applied`` (its band's rank).
@@ -120,7 +121,7 @@ class Intake:
                 outputs.append(self._answer(Response.for_request(
                     req, Status.QUEUED, admitted_at=now, served_priority=band, queue_position=decision.position,
                     eta_ms=None if eta is None or eta == float("inf") else int(eta), model=req.model,
-                    degraded=req.degraded_from is not None)))
+                    degraded=req.degraded_from is not None), req))
             return
         status = _STATUS[decision.action]
         self.seen.add(req.request_id, msg.partition, Seen(source, req.tenant_id, now, status=status.value,
@@ -131,7 +132,7 @@ class Intake:
             m.rejections.labels(req.priority.value, reason_code(decision.reason)).inc()
         outputs.append(self._answer(Response.for_request(req, status, reason=decision.reason,
                                                          retry_after_ms=decision.retry_after_ms,
-                                                         served_priority=decision.band)))
+                                                         served_priority=decision.band), req))
 
     def _again(self, req: Request, seen: Seen, redelivered: bool, outputs: list) -> None:
         """A request whose id was decided before: the same outcome again, or nothing."""
@@ -140,7 +141,7 @@ class Intake:
             m.outcome(req.priority.value, "redelivered" if redelivered else "duplicate")
             outputs.append(self._answer(Response.for_request(
                 req, Status(seen.status), reason=seen.reason or None, retry_after_ms=seen.retry_after_ms or None,
-                served_priority=BANDS[seen.served] if seen.served >= 0 else None)))
+                served_priority=BANDS[seen.served] if seen.served >= 0 else None), req))
             return
         if not redelivered and seen.in_flight:
             m.outcome(req.priority.value, "duplicate")  # its first copy is still on its way: that answer covers it
@@ -158,13 +159,18 @@ class Intake:
         topic = self.dispatch[band]
         outputs.append((topic, self.codec.encode_request(req, self.wire, topic), req.tenant_id.encode(), None))
 
-    def _answer(self, response: Response) -> tuple:
+    def _answer(self, response: Response, req: Request) -> tuple:
+        """The answer to ``req``, to the partition of the responses its client reads when it named
+        one (a partition the topic does not have: the tenant's, as for every other answer)."""
         try:
             value = self.codec.encode_response(response, self.wire, self.responses)
         except EncodeError as exc:
             # A refusal echoes nothing big, but a reason could still be long: keep it short.
             response.reason = f"{(response.reason or '')[:200]} ({exc})"[:500]
             value = self.codec.encode_response(response, self.wire, self.responses)
+        partition = req.reply_partition
+        if partition is not None and 0 <= partition < self.response_partitions:
+            return self.responses, value, response.tenant_id.encode(), None, partition
         return self.responses, value, response.tenant_id.encode(), None
 
     def _dead_letter(self, msg, reason: str, detail: str) -> tuple:

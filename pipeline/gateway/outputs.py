@@ -62,7 +62,10 @@ class Outputs:
         self.loop = loop
         self._thread.start()
 
-    def send(self, topic: str, value: bytes, key: bytes | None, done: Done, headers=None) -> None:
+    def send(self, topic: str, value: bytes, key: bytes | None, done: Done, headers=None,
+             partition: int | None = None) -> None:
+        """``partition`` None: by the key (the tenant), as every record the gateway writes but a
+        request's own answer to a client that reads one partition."""
         def delivered(err, msg) -> None:  # on the delivery thread, inside poll()
             if err is None:
                 self._delivered.append(done)
@@ -71,7 +74,11 @@ class Outputs:
 
         while True:
             try:
-                self.producer.produce(topic, value, key, headers=headers, on_delivery=delivered)
+                if partition is None:
+                    self.producer.produce(topic, value, key, headers=headers, on_delivery=delivered)
+                else:
+                    self.producer.produce(topic, value, key, partition=partition, headers=headers,
+                                          on_delivery=delivered)
                 return
             except BufferError:
                 # librdkafka's queue is full: the delivery thread frees room within a poll.

@@ -208,3 +208,18 @@ def test_the_buckets_run_on_arrival_time_so_a_late_gateway_admits_what_arrived_i
         events.append(e)
     sent = handled(gw, *events)
     assert [gw.codec.decode_request(v).request_id for t, v in sent if "dispatch" in t] == [r.request_id for r in reqs]
+
+
+def test_a_refusal_goes_to_the_partition_its_client_reads_and_a_partition_it_lacks_to_the_tenants(gw):
+    class Recording(type(gw.outputs)):
+        def send(self, topic, value, key, done, headers=None, partition=None):
+            self.partitions.append((topic, partition))
+            super().send(topic, value, key, done, headers)
+
+    gw.outputs.__class__ = Recording
+    gw.outputs.partitions = []
+    reqs = [Request.new("acme", f"r{i}", timeout_ms=600_000, reply_partition=4) for i in range(4)]
+    reqs.append(Request.new("acme", "far", timeout_ms=600_000, reply_partition=99))
+    handled(gw, *(gw.request_event(r) for r in reqs))
+    answers = [p for topic, p in gw.outputs.partitions if topic == gw.settings.topics.responses]
+    assert answers == [4, None]  # the rate-limited fourth to partition 4; the last: no such partition
