@@ -1,17 +1,21 @@
-"""Write-ahead for the gateway: decisions first, then outputs; state, then acknowledgements.
+"""When a request is done: its outputs delivered, and its decision and state written.
 
-Agents decide requests one by one and hand their outputs here. The checkpoint task then, in a
-loop (a *round*), takes everything handed in so far and
+Agents decide requests one by one and hand their outputs here; they go out at once
+(:class:`~pipeline.gateway.outputs.Outputs`). The checkpoint task, in a loop (a *round*), writes
+what was decided since the last round to the Faust tables: the new ids seen (the decisions, one
+record per request partition) every round, the tenants' changed records every
+``state_every_s``, and waits until Faust's producer has delivered them. A request is
+acknowledged (and so committed by Faust) once its outputs are delivered and a state write after
+its decision is durable. A round's cost is a few records whatever the number of tenants; while
+one round waits for the broker, the next requests are decided and answered.
 
-1. writes the new ids seen (the decisions: one record per request partition) to their Faust
-   table and waits until Faust's producer has delivered them;
-2. sends the outputs (:class:`~pipeline.gateway.outputs.Outputs`).
-
-The tenants' records are written every ``state_every_s`` (each changed record once) in the same
-way, before that round's outputs; a request is acknowledged once its outputs are delivered and
-a state write after its decision is durable. A round's cost is a few records whatever the number
-of tenants, so the latency of an answer does not grow with them; while one round waits for the
-broker, the next requests are already being decided.
+Answers do not wait for the decision records: writing those first cost every answer a round
+trip through Faust's producer on a busy event loop (tens of milliseconds). The price is a narrow
+window: a gateway killed after an answer left but before its decision was written decides that
+request again after the restart. Tenant-local rules (rate limits, quotas) decide it the same way
+again (the buckets run on arrival time, and the state comes back as of its last write with the
+later requests applied in order); the queue's own verdicts (queue_full, a deadline the queue
+cannot meet, load) can differ, since the queue moved on.
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ class Checkpoint:
         self.seen = seen
         self.outputs = outputs
         self.state_every_s = state_every_s
-        self._pending: list = []  # (output, Done) not sent yet
         self._dones: list[Done] = []  # decided since the last round
         self._unwritten: list[Done] = []  # sent, their tenant state not written yet
         self._state_at = time.monotonic()
@@ -44,10 +47,12 @@ class Checkpoint:
         self.rounds = 0
 
     def after_write(self, event, outputs: list) -> None:
-        """Send ``outputs`` (``(topic, value, key, headers[, partition])``) once ``event``'s decision is written,
-        and acknowledge ``event`` once they are delivered and its state is written."""
+        """Send ``outputs`` (``(topic, value, key, headers[, partition])``) now, and acknowledge
+        ``event`` once they are delivered and its decision and state are written."""
         done = Done(event, len(outputs))
-        self._pending.extend((output, done) for output in outputs)
+        send = self.outputs.send
+        for output in outputs:
+            send(output[0], output[1], output[2], done, output[3], *output[4:])
         self._dones.append(done)
         self._wake.set()
 
@@ -70,7 +75,6 @@ class Checkpoint:
 
     async def round(self, *, final: bool = False) -> None:
         self._wake.clear()
-        pending, self._pending = self._pending, []
         dones, self._dones = self._dones, []
         if not dones and not self._unwritten:
             return
@@ -83,9 +87,6 @@ class Checkpoint:
             self._state_at = time.monotonic()
             written, self._unwritten = self._unwritten, []
         await self.producer.flush()
-        send = self.outputs.send
-        for output, done in pending:
-            send(output[0], output[1], output[2], done, output[3], *output[4:])
         for done in written:
             done.one()
         self.rounds += 1

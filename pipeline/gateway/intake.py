@@ -1,16 +1,16 @@
 """One request record in: decoded, recognised if seen before, decided, its outputs queued.
 
 The decision changes the tenant's state and the ids seen in memory at once (the next request
-sees it), but the outputs wait in the :class:`~pipeline.gateway.checkpoint.Checkpoint` until the
-decision is in the ids seen's changelog: an answer never goes out before the decision that gave
-it is durable. The tenants' records are written less often; each says through which offset of
-each source it holds the effects (:meth:`pipeline.policy.state.TenantState.holds`). So after a
-crash a request is either
+sees it), its outputs go out, and the :class:`~pipeline.gateway.checkpoint.Checkpoint` writes
+the decision and the state behind it; the tenants' records say through which offset of each
+source they hold the effects (:meth:`pipeline.policy.state.TenantState.holds`). So after a crash
+a request is either
 
-* redelivered with no trace of it in the tables: nothing of it went out, it is decided afresh;
-* redelivered with its decision in the ids seen: the same outputs go out again, unchanged, and
-  its effect on the tenant's state is applied again only if the record does not hold it
-  (at-least-once repeats an answer, never changes it, and charges it once).
+* redelivered with no decision recorded: it is decided again (see the checkpoint for when that
+  can differ from an answer that had gone out);
+* redelivered with its decision recorded: the same outputs go out again, unchanged, and its
+  effect on the tenant's state is applied again only if the record does not hold it
+  (at-least-once repeats an answer, and charges it once).
 
 A request id submitted again (from another offset) is dropped while the first copy waits for
 its answer; one the gateway answered itself gets that answer again; one whose answer came from
