@@ -123,10 +123,14 @@ class GatewaySettings:
     default_drain_rate: float = 0.0
     #: How long a request id is remembered, so a re-submitted id is answered once.
     dedupe_horizon_ms: int = 120_000
-    #: How often the changed tenant records are written (each once). Decisions are written before
-    #: their answers, at once; the records only bound what a crash makes the gateway redo, and a
-    #: request's offset is committed after the write that follows its decision.
-    state_flush_ms: int = 100
+    #: How often the decisions made since the last write (the ids seen, one record per request
+    #: partition) are written. Answers do not wait for it; a gateway killed before its decisions
+    #: are written decides those requests again (docs/gateway.md), and offsets are committed only
+    #: behind the write. Shorter: a narrower window, more changelog records.
+    decision_flush_ms: int = 50
+    #: How often the changed tenant records are written (each once): what a crash makes the
+    #: gateway redo, and how far commits trail the admissions.
+    state_flush_ms: int = 1000
     #: How long outputs wait to be sent together (linger.ms of the gateway's producer).
     producer_linger_ms: int = 2
     #: How long the group waits for a gateway that stopped heartbeating (crashed, killed, its
@@ -174,7 +178,8 @@ class GatewaySettings:
             raise ConfigError("gateway.demote_floor", f"unknown band (known: {BAND_NAMES})")
         if self.processing_guarantee != "at-least-once":
             raise ConfigError("gateway.processing_guarantee", "must be 'at-least-once'")
-        for key in ("max_timeout_ms", "urgent_eta_factor", "target_queue_ms", "depth_refresh_ms", "state_flush_ms"):
+        for key in ("max_timeout_ms", "urgent_eta_factor", "target_queue_ms", "depth_refresh_ms", "state_flush_ms",
+                    "decision_flush_ms"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"gateway.{key}", f"must be > 0, got {getattr(self, key)!r}")
         for key in ("high_load", "degrade_load"):

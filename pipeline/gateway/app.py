@@ -136,7 +136,7 @@ class Gateway:
         self.outputs = Outputs(settings.kafka.producer_config(**{
             "client.id": f"{app_id}-out", "linger.ms": g.producer_linger_ms}), self._refused)
         self.checkpoint = Checkpoint(self.app.producer, self.tenants, self.seen, self.outputs,
-                                     state_every_s=g.state_flush_ms / 1000.0)
+                                     state_every_s=g.state_flush_ms / 1000.0, every_s=g.decision_flush_ms / 1000.0)
         common = dict(codec=self.codec, admission=self.admission, tenants=self.tenants, seen=self.seen,
                       checkpoint=self.checkpoint, metrics=self.metrics)
         self.intake = Intake(wire=settings.serde.wire_format, topics=t, cancelled=self._cancelled, **common)

@@ -3,8 +3,8 @@
 Agents decide requests one by one and hand their outputs here; they go out at once
 (:class:`~pipeline.gateway.outputs.Outputs`). The checkpoint task, in a loop (a *round*), writes
 what was decided since the last round to the Faust tables: the new ids seen (the decisions, one
-record per request partition) every round, the tenants' changed records every
-``state_every_s``, and waits until Faust's producer has delivered them. A request is
+record per request partition) every round (at most every ``every_s``), the tenants' changed
+records every ``state_every_s``, and waits until Faust's producer has delivered them. A request is
 acknowledged (and so committed by Faust) once its outputs are delivered and a state write after
 its decision is durable. A round's cost is a few records whatever the number of tenants; while
 one round waits for the broker, the next requests are decided and answered.
@@ -34,12 +34,13 @@ log = logging.getLogger(__name__)
 
 class Checkpoint:
     def __init__(self, producer, tenants: TenantStates, seen: RecentIds, outputs: Outputs, *,
-                 state_every_s: float = 0.1):
+                 state_every_s: float = 1.0, every_s: float = 0.0):
         self.producer = producer  # Faust's (the changelogs')
         self.tenants = tenants
         self.seen = seen
         self.outputs = outputs
         self.state_every_s = state_every_s
+        self.every_s = every_s
         self._dones: list[Done] = []  # decided since the last round
         self._unwritten: list[Done] = []  # sent, their tenant state not written yet
         self._state_at = time.monotonic()
@@ -71,6 +72,9 @@ class Checkpoint:
                     pass
             else:
                 await self._wake.wait()
+            if self.every_s:
+                # What is decided meanwhile goes into the same records: fewer of them.
+                await asyncio.sleep(self.every_s)
             await self.round()
 
     async def round(self, *, final: bool = False) -> None:
