@@ -3,17 +3,30 @@
 | role        | may                                                                          |
 |-------------|------------------------------------------------------------------------------|
 | producer    | write the request topics                                                     |
-| consumer    | read the response topic (the SDK assigns partitions: no group needed)        |
+| consumer    | read the response and chunk topics (the SDK assigns partitions: no group)    |
 | client      | producer + consumer (an upstream service that submits and awaits)            |
-| worker      | read request/dispatch/cancellation topics, write responses and dead letters, |
-|             | its groups (llmq-workers, llmq-pool-*; their session configs under the       |
-|             | consumer group protocol), its transactional ids (llmq-worker-*)              |
-| gateway     | read requests/responses/cancellations, write dispatch/responses/dead letters,|
-|             | its group, changelog topics and transactional ids (llmq-gateway*)            |
+| serve       | client + write cancellations + read the tenant registry (``llmq serve``)     |
+| tenants     | read and write the tenant registry (``llmq tenants set``)                    |
+| worker      | read request/dispatch/cancellation topics; write responses, chunks, receipts,|
+|             | reply topics and dead letters; its groups (llmq-workers, llmq-pool-*; their  |
+|             | session configs under the consumer group protocol); its transactional ids    |
+| gateway     | read requests/responses/receipts/cancellations/the registry; write dispatch, |
+|             | responses, reply topics, dead letters; its group, changelogs, txn ids        |
 | lagexporter | describe topics and llmq-* groups (read nothing)                              |
+| tenant.NAME | one tenant's own client: write requests, read only ``<prefix>.replies.NAME`` |
 
-Topic ACLs use prefixed patterns on ``<prefix>.requests.`` / ``<prefix>.dispatch.`` so new
-bands need no new ACL; deploy/security/README.md shows the same for a production cluster.
+Topic ACLs use prefixed patterns on ``<prefix>.requests.`` / ``<prefix>.dispatch.`` /
+``<prefix>.replies.`` so new bands and tenants need no new ACL for the pipeline's own roles.
+
+Replies only to their owner: Kafka ACLs grant topics (literal or prefixed), never partitions, so a
+principal that may read the response topic may read every partition of it, whichever reply
+partition its requests name. Reply partitions keep a client from *receiving* others' answers
+(and from paying to read them); they do not stop a principal from reading them on purpose. The
+isolated option is a reply topic per tenant, ``<prefix>.replies.<tenant>``, named in the
+requests' ``reply_to`` (``LlmqClient(reply_to=...)``): the ``tenant.NAME`` role reads only its own.
+``tenant.NAME`` roles are listed for the tenants the settings name (``[tenants] records`` and
+the registry file). A tenant whose requests are signed (``require_signature``) cannot be
+impersonated by another principal allowed to write the request topics.
 """
 
 from __future__ import annotations
@@ -58,19 +71,44 @@ def _txn(prefix: str) -> Grant:
     return Grant(ResourceType.TRANSACTIONAL_ID, prefix, ResourcePatternType.PREFIXED, (W, D))
 
 
-def role_grants(settings: Settings) -> dict[str, list[Grant]]:
+def reply_topic(settings: Settings, tenant: str) -> str:
+    """The reply topic of one tenant, the one Kafka ACLs can isolate (see the module's doc)."""
+    return f"{settings.topics.prefix}.replies.{tenant}"
+
+
+def configured_tenants(settings: Settings) -> list[str]:
+    """The tenants the settings name (inline records and the registry file; not the live topic)."""
+    from pipeline.tenants.registry import TenantRegistry
+
+    return sorted(TenantRegistry(settings).records())
+
+
+def tenant_client_grants(settings: Settings, tenant: str) -> list[Grant]:
+    """One tenant's own client: submit, cancel, and read only its reply topic."""
+    t = settings.topics
+    return [_topic(f"{t.prefix}.requests.", W, D, prefixed=True), _topic(f"{t.prefix}.cancellations", W, D),
+            _topic(reply_topic(settings, tenant), R, D), _IDEMPOTENT]
+
+
+def role_grants(settings: Settings, tenants: list[str] | None = None) -> dict[str, list[Grant]]:
+    """Every role's grants; ``tenants`` (default: those the settings name) get a ``tenant.NAME`` role each."""
     t = settings.topics
     requests, dispatch = f"{t.prefix}.requests.", f"{t.prefix}.dispatch."
+    replies = f"{t.prefix}.replies."
     cancellations = f"{t.prefix}.cancellations"
+    registry = settings.tenants.topic(t.prefix)
     producer = [_topic(requests, W, D, prefixed=True), _IDEMPOTENT]
-    consumer = [_topic(t.responses, R, D)]
-    return {
+    consumer = [_topic(t.responses, R, D), _topic(t.chunks, R, D)]
+    roles = {
         "producer": producer,
         "consumer": consumer,
         "client": producer + consumer,
+        "serve": producer + consumer + [_topic(cancellations, W, D), _topic(registry, R, D)],
+        "tenants": [_topic(registry, R, W, D), _IDEMPOTENT],
         "worker": [
             _topic(requests, R, D, prefixed=True), _topic(dispatch, R, D, prefixed=True),
             _topic(cancellations, R, D), _topic(t.responses, W, D), _topic(t.dlq, W, D),
+            _topic(t.chunks, W, D), _topic(t.receipts, W, D), _topic(replies, W, D, prefixed=True),
             # ALTER_CONFIGS: each worker sets its group's session (pipeline.worker.membership).
             _group(settings.worker.group_id, R, _GC), _group("llmq-pool-", R, _GC, prefixed=True),
             _txn("llmq-worker-"),
@@ -78,7 +116,8 @@ def role_grants(settings: Settings) -> dict[str, list[Grant]]:
         ],
         "gateway": [
             _topic(requests, R, D, prefixed=True), _topic(dispatch, W, D, prefixed=True),
-            _topic(t.responses, R, W, D), _topic(t.dlq, W, D), _topic(cancellations, R, D),
+            _topic(t.responses, R, W, D), _topic(t.receipts, R, D), _topic(t.dlq, W, D), _topic(cancellations, R, D),
+            _topic(replies, W, D, prefixed=True), _topic(registry, R, D),
             # Faust's group and its internal topics (table changelogs, the assignor's topic)
             # are named after the app id.
             _group(settings.gateway.app_id, R, D, prefixed=True),
@@ -88,12 +127,16 @@ def role_grants(settings: Settings) -> dict[str, list[Grant]]:
         ],
         "lagexporter": [_topic(f"{t.prefix}.", D, prefixed=True), _group("llmq-", D, prefixed=True)],
     }
+    for tenant in configured_tenants(settings) if tenants is None else tenants:
+        roles[f"tenant.{tenant}"] = tenant_client_grants(settings, tenant)
+    return roles
 
 
-def bindings(settings: Settings, principals: dict[str, str] | None = None) -> list[AclBinding]:
+def bindings(settings: Settings, principals: dict[str, str] | None = None,
+             tenants: list[str] | None = None) -> list[AclBinding]:
     """AclBindings for every role; ``principals`` maps role → principal (default User:<role>)."""
     out = []
-    for role, grants in role_grants(settings).items():
+    for role, grants in role_grants(settings, tenants).items():
         principal = (principals or {}).get(role, f"User:{role}")
         for g in grants:
             for op in g.operations:

@@ -177,6 +177,14 @@ def cmd_submit(args) -> int:
         priority = Priority.parse(args.priority)
     except ValueError as exc:
         raise SystemExit(f"llmq submit: {exc}")
+    if args.via:
+        from pipeline.serve.http_submit import submit_via
+
+        return submit_via(args.via, args.key_file, args.prompt, priority=priority, model=args.model,
+                          max_tokens=args.max_tokens, timeout_s=args.timeout, wait=not args.no_wait,
+                          as_json=args.json)
+    if not args.tenant:
+        raise SystemExit("llmq submit: --tenant is required (or --via URL --key-file FILE, where the key names it)")
     request = Request.new(args.tenant, args.prompt, priority=priority, model=args.model,
                           max_tokens=args.max_tokens, timeout_ms=int(args.timeout * 1000))
     with LlmqClient(settings, listen=not args.no_wait) as client:
@@ -191,6 +199,26 @@ def cmd_submit(args) -> int:
     else:
         print(f"{response.status.value}: {response.output if response.output is not None else response.reason}")
     return 0 if response.status.value == "COMPLETED" else 3
+
+
+def cmd_serve(args) -> int:
+    from pipeline.serve.runner import run
+
+    settings = _settings(args)
+    for name in ("host", "port", "reply_partitions", "shutdown_grace_s"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(settings.serve, name, value)
+    if args.access_log:
+        settings.serve.access_log = True
+    settings.validate()
+    return run(settings)
+
+
+def cmd_tenants(args) -> int:
+    from pipeline.tenants.cli import cmd_tenants as run
+
+    return run(_settings(args), args)
 
 
 def cmd_cancel(args) -> int:
@@ -455,16 +483,45 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("submit", "submit one request and print its response",
                 "Publishes one request to the request topic of its priority (keyed by tenant) and, unless "
-                "--no-wait, waits for its terminal response. Exit status 0 when it is COMPLETED, 3 otherwise.")
+                "--no-wait, waits for its terminal response. With --via URL --key-file FILE it goes through "
+                "`llmq serve` over HTTP instead (--no-wait: POST /v1/requests). Exit status 0 when it is "
+                "COMPLETED, 3 otherwise.")
     p.add_argument("prompt")
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", help="the tenant (required unless --via: then the API key names it)")
     p.add_argument("--priority", default="normal", help="critical, high, normal, low or background")
     p.add_argument("--model", default="sim-small")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (also the request's timeout_ms)")
     p.add_argument("--no-wait", action="store_true", help="print the request id once acknowledged, don't wait")
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
+    p.add_argument("--via", metavar="URL", help="through `llmq serve` at URL (e.g. http://127.0.0.1:8080) instead "
+                                               "of Kafka; the tenant is the API key's")
+    p.add_argument("--key-file", metavar="FILE", help="with --via: the file holding the API key")
     p.set_defaults(func=cmd_submit)
+
+    p = command("serve", "an OpenAI-compatible HTTP server in front of the request topics",
+                "Serves POST /v1/chat/completions and /v1/completions (answered when the answer comes, or "
+                "\"stream\": true for Server-Sent Events), GET /v1/models, POST /v1/requests (202 and an id, for "
+                "batch work; BACKGROUND by default) with GET /v1/requests/{id}, and /healthz. Callers authenticate "
+                "with Authorization: Bearer <key>; the key names the tenant (llmq tenants set --key-file), whose "
+                "registry record sets its tier, the highest band it may ask for (x-llmq-priority or "
+                "metadata.priority) and its models. Answers come back on this process's own reply partitions "
+                "(serve.reply_partitions: give each process its own), read by one listener. Refusals keep "
+                "OpenAI's error shape: 429 with Retry-After when rate-limited or the queue is full, 504 past the "
+                "deadline (x-llmq-timeout-ms), 401/403 for keys. SIGTERM stops accepting, lets requests in flight "
+                "finish for serve.shutdown_grace_s, answers the rest 503 and cancels them. [serve] in the config "
+                "file holds every setting (pipeline/config/serve.py).")
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8080; 0 = any free one, logged)")
+    p.add_argument("--reply-partitions", help="partitions of the response and chunk topics this process owns: "
+                                              "N, N,M or N-M (default auto: one at random)")
+    p.add_argument("--shutdown-grace-s", type=float, help="on SIGTERM, how long requests in flight may finish")
+    p.add_argument("--access-log", action="store_true", help="one log line per HTTP request (off by default)")
+    p.set_defaults(func=cmd_serve)
+
+    from pipeline.tenants.cli import add_parser as tenants_parser
+
+    tenants_parser(command).set_defaults(func=cmd_tenants)
 
     p = command("acls", "print (or --apply) the least-privilege ACLs of every role",
                 "One principal per role: producer, consumer, client, worker, gateway, lagexporter (see "

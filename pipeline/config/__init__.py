@@ -30,12 +30,15 @@ from pipeline.config.fields import set_field
 from pipeline.config.gateway import GatewaySettings
 from pipeline.config.kafka import DEFAULT_BOOTSTRAP, KafkaSettings
 from pipeline.config.serde import SerdeSettings
+from pipeline.config.serve import ServeSettings
+from pipeline.config.tenants import TenantSettings
 from pipeline.config.topics import DEFAULT_POOLS, TopicSettings
 from pipeline.config.worker import WorkerSettings
 from pipeline.errors import ConfigError
 
 __all__ = ["DEFAULT_BOOTSTRAP", "DEFAULT_JVM_OPTIONS", "DEFAULT_POOLS", "BrokerSettings", "GatewaySettings",
-           "KafkaSettings", "SerdeSettings", "Settings", "TopicSettings", "WorkerSettings"]
+           "KafkaSettings", "SerdeSettings", "ServeSettings", "Settings", "TenantSettings", "TopicSettings",
+           "WorkerSettings"]
 
 
 @dataclass
@@ -46,6 +49,8 @@ class Settings:
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
     broker: BrokerSettings = field(default_factory=BrokerSettings)
+    tenants: TenantSettings = field(default_factory=TenantSettings)
+    serve: ServeSettings = field(default_factory=ServeSettings)
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> "Settings":
@@ -91,5 +96,6 @@ class Settings:
                 set_field(getattr(self, section), name, key, raw, from_env=True)
 
     def validate(self) -> None:
-        for section in (self.kafka, self.topics, self.serde, self.worker, self.gateway, self.broker):
+        for section in (self.kafka, self.topics, self.serde, self.worker, self.gateway, self.broker, self.tenants,
+                        self.serve):
             section.validate()

@@ -181,3 +181,136 @@ def test_an_idle_listener_with_nothing_to_read_or_nobody_waiting_is_left_alone()
     behind = _StuckConsumer(position=40, high=45)
     _engine_with(_Correlator())._unstick(behind)
     assert caught_up.reassigned == [] and behind.reassigned == []
+
+
+# -- replies to their owner: reply partitions, the gateway's first word, streams --------------------
+
+from pipeline.client import Submitted, _LoopWaker, _Stream  # noqa: E402
+from pipeline.models import Chunk, Priority  # noqa: E402
+from pipeline.serde import Codec  # noqa: E402
+from pipeline.tenants.signing import verify  # noqa: E402
+
+
+def test_requests_name_the_clients_reply_partitions_in_turn_unless_they_name_their_own():
+    c = LlmqClient(Settings.load(env={}), listen=False, reply_partitions=[4, 2])
+    try:
+        parts = [c._engine.addressed(Request.new("t", "p")).reply_partition for _ in range(4)]
+        assert sorted(set(parts)) == [2, 4] and parts[0] != parts[1]
+        own = Request.new("t", "p", reply_partition=1)
+        assert c._engine.addressed(own) is own
+        assert c.reply_partitions == [2, 4]
+    finally:
+        c.close()
+
+
+def test_a_reply_topic_of_its_own_is_named_in_every_request():
+    c = LlmqClient(Settings.load(env={}), listen=False, reply_partitions=[0], reply_to="llm.replies.acme")
+    try:
+        req = c._engine.addressed(Request.new("acme", "p"))
+        assert req.reply_to == "llm.replies.acme" and req.reply_partition == 0
+    finally:
+        c.close()
+
+
+def test_the_first_word_is_the_first_queued_event_or_the_answer():
+    c = _Correlator()
+    queued, refused = Request.new("t", "a", notify_queued=True), Request.new("t", "b", notify_queued=True)
+    c.expect(queued.request_id)
+    first_q, first_r = c.first_word(queued.request_id), c.first_word(refused.request_id)
+    c.deliver(_queued(queued, 7))
+    c.deliver(_queued(queued, 3))
+    assert first_q.result(0).queue_position == 7
+    c.deliver(Response.for_request(refused, Status.REJECTED, reason="rate_limited: x"))
+    assert first_r.result(0).status is Status.REJECTED
+
+
+def test_submitted_tells_what_the_gateway_said():
+    req = Request.new("t", "p", notify_queued=True)
+    word = _queued(req, 5)
+    sub = Submitted(req.request_id, "topic", 0, 9, word)
+    assert sub.status is Status.QUEUED and sub.queue_position == 5 and sub.eta_ms == 500
+    assert Submitted(req.request_id, "topic", 0, 9).status is None
+
+
+def _chunk(req, seq, delta, last=False):
+    return Chunk.for_request(req, seq, delta, finish_reason="stop" if last else None)
+
+
+def test_a_stream_hands_out_chunks_in_order_each_once_and_ends_at_the_last():
+    req = Request.new("t", "p")
+    s = _Stream(req)
+    assert s.feed(_chunk(req, 1, "b")) == []  # waits for 0
+    assert [c.delta for c in s.feed(_chunk(req, 0, "a"))] == ["a", "b"]
+    assert s.feed(_chunk(req, 0, "a")) == [] and s.feed(_chunk(req, 1, "b")) == []  # copies
+    assert [c.delta for c in s.feed(_chunk(req, 2, "c", last=True))] == ["c"] and s.ended
+    assert s.feed(_chunk(req, 3, "late")) == []
+
+
+def test_a_stream_ends_early_on_a_refusal_and_settles_a_completed_answer_it_did_not_fully_see():
+    req = Request.new("t", "p")
+    refused = _Stream(req)
+    refused.feed(Response.for_request(req, Status.REJECTED, reason="rate_limited: x"))
+    assert refused.ended and not refused.answered
+    partial = _Stream(req)
+    partial.feed(_chunk(req, 0, "hel"))
+    partial.feed(Response.for_request(req, Status.COMPLETED, output="hello", finish_reason="length"))
+    assert partial.answered and not partial.ended
+    [rest] = partial.settle()
+    assert (rest.delta, rest.seq, rest.finish_reason) == ("lo", 1, "length") and partial.ended
+
+
+def test_the_loop_waker_wakes_the_loop_once_per_batch():
+    import asyncio
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        waker = _LoopWaker(loop)
+        got: list = []
+        calls = []
+        original = loop.call_soon_threadsafe
+
+        def counting(*args):
+            calls.append(1)
+            return original(*args)
+
+        loop.call_soon_threadsafe = counting
+        thread = threading.Thread(target=lambda: [waker.push(got.append, i) for i in range(100)])
+        thread.start()
+        thread.join()
+        await asyncio.sleep(0.01)
+        loop.call_soon_threadsafe = original
+        return got, len(calls)
+
+    got, wakeups = asyncio.run(go())
+    assert got == list(range(100)) and wakeups == 1
+
+
+class _Producer:
+    def __init__(self):
+        self.produced = []
+
+    def produce(self, topic, value, key, headers=None, on_delivery=None):
+        self.produced.append((topic, value, key, headers))
+
+    def poll(self, timeout):
+        return 0
+
+    def flush(self, timeout=None):
+        return 0
+
+
+def test_requests_of_tenants_with_a_secret_are_signed_over_their_bytes():
+    c = LlmqClient(Settings.load(env={}), listen=False, signing_secret={"acme": b"s3cret"})
+    real = c._engine.producer
+    try:
+        c._engine.producer = fake = _Producer()
+        c._engine.submit_future(Request.new("acme", "signed", priority=Priority.HIGH))
+        c._engine.submit_future(Request.new("other", "unsigned"))
+        (topic, value, key, headers), (_, _, _, none) = fake.produced
+        [(name, sig)] = headers
+        assert topic.endswith(".requests.high") and key == b"acme" and name == "llmq-signature"
+        assert verify(b"s3cret", value, sig.decode()) and none is None
+        assert Codec.default().decode_request(value).tenant_id == "acme"
+    finally:
+        c._engine.producer = real
+        c.close()

@@ -1,0 +1,127 @@
+"""A scripted stand-in for the serve process's client (no broker) and the app around it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import Future
+from dataclasses import replace
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from pipeline.client import AsyncReplyStream, Submitted
+from pipeline.config import Settings
+from pipeline.models import Chunk, Request, Response, Status
+from pipeline.serve.app import Server, build_app
+from pipeline.tenants.keys import hash_key
+from pipeline.tenants.registry import TenantRegistry
+
+KEYS = {"acme": "acme-key-0000000000001", "beta": "beta-key-0000000000002", "off": "off-key-00000000000003"}
+
+
+def completed(req: Request, output: str = "hello there", **kw) -> Response:
+    kw.setdefault("prompt_tokens", 3)
+    kw.setdefault("completion_tokens", 2)
+    kw.setdefault("finish_reason", "stop")
+    return Response.for_request(req, Status.COMPLETED, output=output, model=req.model,
+                                served_priority=req.priority, **kw)
+
+
+def chunks(req: Request, parts: list[str], finish: str = "stop") -> list[Chunk]:
+    return [Chunk.for_request(req, i, p, finish_reason=finish if i == len(parts) - 1 else None)
+            for i, p in enumerate(parts)]
+
+
+class FakeClient:
+    """Answers each submitted request with ``script(request)``: Responses (QUEUED or terminal) and
+    Chunks, each optionally as (delay_s, item)."""
+
+    def __init__(self, script):
+        self.script = script
+        self.sent: list[Request] = []
+        self.cancelled: list[tuple[str, str]] = []
+        self.futures: dict[str, Future] = {}
+        self.queued_events: dict[str, Response] = {}
+        self.streams: dict[str, AsyncReplyStream] = {}
+        self.reply_partitions = [0]
+        self.listening = True
+
+    def addressed(self, req: Request) -> Request:
+        return req if req.reply_partition is not None else replace(req, reply_partition=0)
+
+    def response_future(self, request_id: str) -> Future:
+        return self.futures.setdefault(request_id, Future())
+
+    def forget(self, request_id: str) -> None:
+        self.futures.pop(request_id, None)
+        self.streams.pop(request_id, None)
+
+    def queued(self, request_id: str):
+        return self.queued_events.get(request_id)
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        self.cancelled.append((request_id, reason))
+
+    def _deliver(self, req: Request, item) -> None:
+        stream = self.streams.get(req.request_id)
+        if isinstance(item, Response) and not item.status.is_terminal:
+            self.queued_events[req.request_id] = item
+            return
+        if isinstance(item, Response):
+            fut = self.futures.get(req.request_id)
+            if fut is not None and not fut.done():
+                fut.set_result(item)
+            self.queued_events.pop(req.request_id, None)
+        if stream is not None:
+            stream.push(item)
+
+    async def submit(self, req: Request, timeout: float = 30.0, track: bool = True, wait_queued: float = 10.0):
+        self.sent.append(req)
+        self.response_future(req.request_id)
+        loop = asyncio.get_running_loop()
+        word = None
+        for entry in self.script(req):
+            delay, item = entry if isinstance(entry, tuple) else (0.0, entry)
+            if delay:
+                loop.call_later(delay, self._deliver, req, item)
+                continue
+            self._deliver(req, item)
+            if word is None and isinstance(item, Response) and req.notify_queued and wait_queued:
+                word = item
+        return Submitted(req.request_id, "topic", 0, len(self.sent), word)
+
+    async def open_stream(self, req: Request, timeout: float = 60.0) -> AsyncReplyStream:
+        req = self.addressed(replace(req, stream=True))
+        stream = self.streams[req.request_id] = AsyncReplyStream(self, req, timeout)
+        await self.submit(req, wait_queued=0)
+        return stream
+
+    async def result(self, request_id: str, timeout: float = 60.0) -> Response:
+        return await asyncio.wait_for(asyncio.wrap_future(self.response_future(request_id)), timeout)
+
+
+def settings(**serve) -> Settings:
+    s = Settings.load(env={})
+    s.tenants.records = {
+        "acme": {"tier": "enterprise", "max_priority": "HIGH", "key_hashes": [hash_key(KEYS["acme"])]},
+        "beta": {"tier": "free", "models": ["sim-small"], "key_hashes": [hash_key(KEYS["beta"])]},
+        "off": {"enabled": False, "key_hashes": [hash_key(KEYS["off"])]},
+    }
+    s.serve.stream_heartbeat_s = 0.2
+    for k, v in serve.items():
+        setattr(s.serve, k, v)
+    return s
+
+
+@contextlib.asynccontextmanager
+async def running(script, **serve):
+    """(http client, Server, FakeClient) for one test."""
+    s = settings(**serve)
+    fake = FakeClient(script)
+    server = Server(s, TenantRegistry(s), fake)
+    async with TestClient(TestServer(build_app(server))) as http:
+        yield http, server, fake
+
+
+def auth(tenant: str = "acme", **headers) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[tenant]}", **headers}
