@@ -91,26 +91,38 @@ class Submitted:
         return None if self.response is None else self.response.eta_ms
 
 
-class _ChunkOrder:
-    """A request's chunks in seq order, each once: a chunk ahead of a gap waits for it."""
+class ChunkOrder:
+    """A request's chunks in seq order, each once: one past a gap waits for it; nothing after the
+    last. The same rules as pipeline/streams.py's ChunkOrder (the worker side's), kept here until
+    that module is committed; then this class goes and the client imports that one."""
 
-    def __init__(self):
-        self.next = 0
+    def __init__(self) -> None:
+        self.next_seq = 0
+        self.finished = False
         self._ahead: dict[int, Chunk] = {}
 
     def add(self, chunk: Chunk) -> list[Chunk]:
-        if chunk.seq < self.next or chunk.seq in self._ahead:
-            return []  # a copy (a redelivered or repeated chunk)
+        if self.finished or chunk.seq < self.next_seq or chunk.seq in self._ahead:
+            return []  # a copy (a redelivered or repeated chunk), or after the end
         self._ahead[chunk.seq] = chunk
         out = []
-        while self.next in self._ahead:
-            out.append(self._ahead.pop(self.next))
-            self.next += 1
+        while self.next_seq in self._ahead:
+            c = self._ahead.pop(self.next_seq)
+            out.append(c)
+            self.next_seq += 1
+            if c.finish_reason is not None:
+                self.finished = True
+                self._ahead.clear()
+                break
         return out
 
-
-def _ordering():
-    return _ChunkOrder()
+    def rest(self) -> list[Chunk]:
+        """What came past a gap that never filled, in order (the stream is over)."""
+        out = [self._ahead[s] for s in sorted(self._ahead)]
+        self._ahead.clear()
+        if out:
+            self.next_seq = out[-1].seq + 1
+        return out
 
 
 class _Correlator:
@@ -224,7 +236,7 @@ class _Stream:
 
     def __init__(self, request: Request):
         self.request = request
-        self.order = _ordering()
+        self.order = ChunkOrder()
         self.response: Response | None = None
         self.error: BaseException | None = None
         self.text: list[str] = []
@@ -259,14 +271,19 @@ class _Stream:
     def settle(self) -> list[Chunk]:
         if self.ended or self.response is None:
             return []
+        # What came past a gap that never filled, then whatever the chunks did not cover.
+        out = [c for c in self.order.rest() if not c.last]
+        for chunk in out:
+            self.text.append(chunk.delta)
+            self.seq = chunk.seq + 1
         self.ended = True
         resp = self.response
         streamed = "".join(self.text)
         output = resp.output or ""
         rest = output[len(streamed):] if output.startswith(streamed) else ""
-        return [Chunk(request_id=resp.request_id, tenant_id=resp.tenant_id, seq=self.seq, delta=rest,
-                      finish_reason=resp.finish_reason or "stop", emitted_at=resp.finished_at,
-                      worker_id=resp.worker_id)]
+        return out + [Chunk(request_id=resp.request_id, tenant_id=resp.tenant_id, seq=self.seq, delta=rest,
+                            finish_reason=resp.finish_reason or "stop", emitted_at=resp.finished_at,
+                            worker_id=resp.worker_id)]
 
 
 class _LoopWaker:
@@ -506,7 +523,12 @@ def _describe(consumer: Consumer, settings: Settings, topic: str, client_errors:
     try:
         md = consumer.list_topics(topic, timeout=10)
     except KafkaException as exc:
-        auth = [e for e in client_errors if e.code() == KafkaError._AUTHENTICATION]
+        # The error callback that says why runs only inside poll(): serve it before judging.
+        deadline = time.monotonic() + 2.0
+        auth: list = []
+        while not auth and time.monotonic() < deadline:
+            consumer.poll(0.1)
+            auth = [e for e in client_errors if e.code() == KafkaError._AUTHENTICATION]
         if auth:
             user = settings.kafka.sasl_username
             raise AuthenticationError(

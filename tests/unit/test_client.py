@@ -314,3 +314,13 @@ def test_requests_of_tenants_with_a_secret_are_signed_over_their_bytes():
     finally:
         c._engine.producer = real
         c.close()
+
+
+def test_a_settled_stream_hands_out_what_came_past_a_gap_before_the_rest_of_the_answer():
+    req = Request.new("t", "p")
+    s = _Stream(req)
+    assert [c.delta for c in s.feed(_chunk(req, 0, "a"))] == ["a"]
+    assert s.feed(_chunk(req, 2, "c")) == []  # chunk 1 was lost
+    s.feed(Response.for_request(req, Status.COMPLETED, output="abcd"))
+    settled = s.settle()
+    assert [(c.seq, c.delta) for c in settled] == [(2, "c"), (3, "")] and settled[-1].last
