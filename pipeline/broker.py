@@ -145,7 +145,8 @@ class MavenProgress:
         self.progress(f"  Maven: {jars} copied{fetched}")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now (for the local broker, tests, benchmarks)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -370,9 +371,9 @@ class LocalBroker:
             port = int(path.read_text())
             if port != self.port and not _port_in_use(port):
                 return port
-        port = _free_port()
+        port = free_port()
         while port == self.port:
-            port = _free_port()
+            port = free_port()
         path.write_text(f"{port}\n")
         return port
 

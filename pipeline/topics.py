@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError, KafkaException
@@ -51,6 +52,8 @@ def pipeline_topics(settings: Settings) -> list[TopicSpec]:
                            dict(t.cancellation_config), "cancellations"))
     specs.append(TopicSpec(t.chunks, t.chunk_partitions, t.replication_factor, dict(t.chunk_config),
                            "streamed chunks"))
+    specs.append(TopicSpec(t.receipts, t.request_partitions, t.replication_factor, dict(t.receipt_config),
+                           "completion receipts"))
     return specs
 
 
@@ -92,7 +95,25 @@ def ensure_topics(admin: AdminClient, specs: list[TopicSpec], timeout: float = 3
                     report.existing.append(name)
                 else:
                     raise KafkaOperationError(f"create topic {name}", err.str(), err) from exc
+        wait_visible(admin, [s.name for s in missing], timeout)
     return report
+
+
+def wait_visible(admin: AdminClient, names: list[str], timeout: float = 30.0) -> None:
+    """Return once the broker's metadata lists every topic of ``names`` with its partitions.
+
+    A created topic reaches the controller first and the brokers' metadata a moment later:
+    a client that subscribes, describes or produces in between is told it does not exist."""
+    deadline = time.monotonic() + timeout
+    pending = set(names)
+    while pending:
+        listed = admin.list_topics(timeout=timeout).topics
+        pending = {n for n in pending if n not in listed or listed[n].error is not None or not listed[n].partitions}
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise KafkaOperationError("create topics", f"not visible after {timeout:.0f} s: {', '.join(sorted(pending))}")
+        time.sleep(0.1)
 
 
 def create_pipeline_topics(settings: Settings, strict: bool = True) -> TopicReport:

@@ -95,6 +95,17 @@ class Settings:
                     raise ConfigError(name, f"unknown section {section!r}")
                 set_field(getattr(self, section), name, key, raw, from_env=True)
 
+    def topology_env(self) -> dict[str, str]:
+        """The environment that gives a child process (``llmq gateway``, ``llmq worker``, a
+        benchmark's client) this settings' broker, topics and worker group: what must agree
+        between the processes of one pipeline."""
+        t = self.topics
+        return {"LLMQ_BOOTSTRAP": self.kafka.bootstrap, "LLMQ_TOPICS__PREFIX": t.prefix,
+                "LLMQ_TOPICS__REQUEST_PARTITIONS": str(t.request_partitions),
+                "LLMQ_TOPICS__RESPONSE_PARTITIONS": str(t.response_partitions),
+                "LLMQ_TOPICS__DISPATCH_PARTITIONS": str(t.dispatch_partitions),
+                "LLMQ_WORKER__GROUP_ID": self.worker.group_id}
+
     def validate(self) -> None:
         for section in (self.kafka, self.topics, self.serde, self.worker, self.gateway, self.broker, self.tenants,
                         self.serve):

@@ -123,11 +123,11 @@ class GatewaySettings:
     default_drain_rate: float = 0.0
     #: How long a request id is remembered, so a re-submitted id is answered once.
     dedupe_horizon_ms: int = 120_000
-    #: How often the decisions made since the last write (the ids seen, one record per request
-    #: partition) are written. Answers do not wait for it; a gateway killed before its decisions
-    #: are written decides those requests again (docs/gateway.md), and offsets are committed only
-    #: behind the write. Shorter: a narrower window, more changelog records.
-    decision_flush_ms: int = 50
+    #: How long the decisions made meanwhile are gathered before they are written (the ids seen,
+    #: one record per request partition). Answers leave once their decision is written, so this
+    #: adds to every answer's latency; while a write is in flight the next decisions gather
+    #: anyway, so a little goes a long way. Longer: fewer changelog records.
+    decision_flush_ms: int = 2
     #: How often the changed tenant records are written (each once): what a crash makes the
     #: gateway redo, and how far commits trail the admissions.
     state_flush_ms: int = 1000
@@ -178,8 +178,9 @@ class GatewaySettings:
             raise ConfigError("gateway.demote_floor", f"unknown band (known: {BAND_NAMES})")
         if self.processing_guarantee != "at-least-once":
             raise ConfigError("gateway.processing_guarantee", "must be 'at-least-once'")
-        for key in ("max_timeout_ms", "urgent_eta_factor", "target_queue_ms", "depth_refresh_ms", "state_flush_ms",
-                    "decision_flush_ms"):
+        if self.decision_flush_ms < 0:
+            raise ConfigError("gateway.decision_flush_ms", f"must be >= 0, got {self.decision_flush_ms!r}")
+        for key in ("max_timeout_ms", "urgent_eta_factor", "target_queue_ms", "depth_refresh_ms", "state_flush_ms"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"gateway.{key}", f"must be > 0, got {getattr(self, key)!r}")
         for key in ("high_load", "degrade_load"):

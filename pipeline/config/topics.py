@@ -35,11 +35,10 @@ class TopicSettings:
     #: max.message.bytes: a dead letter is the original message plus llmq's headers.
     dlq_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(30 * 24 * 3600 * 1000),
                                                                 "max.message.bytes": str(8 * 1024 * 1024 + 65536)})
-    #: Streamed chunks of answers (requests with stream set and no reply_to); partitioned by
-    #: tenant like the responses, so the same default count.
-    chunk_partitions: int = 6
     #: A day: chunks are for live streams; the terminal response keeps the whole answer.
     chunk_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(24 * 3600 * 1000)})
+    #: Completion receipts (see :attr:`receipts`): a day is far longer than any gateway is down.
+    receipt_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(24 * 3600 * 1000)})
 
     def request_topic(self, priority: Priority) -> str:
         return f"{self.prefix}.requests.{priority.value.lower()}"
@@ -75,11 +74,26 @@ class TopicSettings:
 
     @property
     def chunks(self) -> str:
+        """Streamed chunks of answers, keyed by request id, in the partition its answer goes to
+        (the client's reply partition, else the tenant's), so as many partitions as the
+        responses: a client reads the same partition number of both."""
         return f"{self.prefix}.chunks"
+
+    @property
+    def chunk_partitions(self) -> int:
+        return self.response_partitions
+
+    @property
+    def receipts(self) -> str:
+        """Where a worker says a dispatched request finished, when its answer went elsewhere
+        than the tenant's partition of the responses (a reply topic, a client's own reply
+        partition): the gateway reads its tenants' partitions of both to free their quotas.
+        Keyed by tenant, with the request topics' partition count (co-partitioned)."""
+        return f"{self.prefix}.receipts"
 
     def validate(self) -> None:
         for key in ("request_partitions", "response_partitions", "dlq_partitions", "cancellation_partitions",
-                    "chunk_partitions", "replication_factor"):
+                    "replication_factor"):
             positive(f"topics.{key}", getattr(self, key))
         if not self.prefix or any(c.isspace() for c in self.prefix):
             raise ConfigError("topics.prefix", "must be a non-empty name without spaces")

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from pipeline.config import Settings, TopicSettings
-from pipeline.errors import ConfigError, DecodeError, EncodeError, SchemaNotFoundError
+from pipeline.errors import DecodeError, EncodeError, SchemaNotFoundError
 from pipeline.models import Chunk, Request
 from pipeline.serde import CHUNK_SCHEMA, SINGLE_OBJECT_MAGIC, Codec, RegistryFormat, SchemaStore, SerdeLimits
 from pipeline.serde.fingerprint import schema_fingerprint
@@ -294,11 +294,6 @@ def test_the_chunk_topic_and_its_spec():
     assert spec == TopicSpec("llm.chunks", 6, t.replication_factor, {"retention.ms": str(24 * 3600 * 1000)},
                              "streamed chunks")
     assert [s.role for s in specs.values()].count("streamed chunks") == 1
-    t.chunk_partitions, t.chunk_config = 24, {"retention.ms": "3600000"}
+    t.response_partitions, t.chunk_config = 24, {"retention.ms": "3600000"}
     spec = next(s for s in pipeline_topics(settings) if s.role == "streamed chunks")
     assert (spec.partitions, spec.config) == (24, {"retention.ms": "3600000"})
-
-
-def test_chunk_partitions_must_be_positive():
-    with pytest.raises(ConfigError, match="topics.chunk_partitions"):
-        TopicSettings(chunk_partitions=0).validate()
