@@ -35,7 +35,10 @@ log = logging.getLogger(__name__)
 _ABANDONED_PRODUCERS: list = []
 MAX_ABANDONED_PRODUCERS = 3
 
-Outcome = tuple  # (topic, value, key, headers): one message to publish
+#: (topic, value, key, headers, partition): one message to publish; partition -1 lets the
+#: producer's partitioner choose (by key).
+Outcome = tuple
+ANY_PARTITION = -1
 
 
 class CallHung(Exception):
@@ -67,9 +70,9 @@ def bounded_call(fn, timeout_s: float):
 
 class Checkpoint:
     def __init__(self, cfg: WorkerSettings, session: Session, stats: WorkerStats, metrics: WorkerMetrics,
-                 publish: Callable[[str, bytes, bytes, list | None, None], None]):
-        """``publish(topic, value, key, headers, None)``: the careful produce (a full queue,
-        a message too large), for a transaction's outcomes that the plain produce refused."""
+                 publish: Callable[..., None]):
+        """``publish(topic, value, key, headers, None, partition)``: the careful produce (a full
+        queue, a message too large), for a transaction's outcomes that the plain produce refused."""
         self.cfg = cfg
         self.session = session
         self.stats = stats
@@ -128,12 +131,13 @@ class Checkpoint:
         """The message's outcome is durable (at-least-once), or it needs none."""
         self.tracker.finished(tp, offset)
 
-    def hold(self, tp: tuple, offset: int, outcome: Outcome) -> None:
-        """Exactly-once: ``outcome`` goes out in the transaction that commits past ``offset``."""
+    def hold(self, tp: tuple, offset: int, outcome: Outcome, receipt: Outcome | None = None) -> None:
+        """Exactly-once: ``outcome`` (and its completion ``receipt``, if it has one) goes out in
+        the transaction that commits past ``offset``."""
         part = self.ready.get(tp)
         if part is None:
             part = self.ready[tp] = {}
-        part[offset] = outcome
+        part[offset] = outcome if receipt is None else [outcome, receipt]
         self.tracker.finished(tp, offset)
 
     # -- commits ----------------------------------------------------------------------------
@@ -188,14 +192,15 @@ class Checkpoint:
                 if not ready:
                     continue
                 for off in sorted(o for o in ready if o < position):
-                    topic, value, key, headers = ready.pop(off)
-                    try:
-                        if headers is None:
-                            produce(topic, value, key)
-                        else:
-                            produce(topic, value, key, headers=headers)
-                    except (BufferError, KafkaException):  # queue full, or too large: the careful path
-                        self._publish(topic, value, key, headers, None)
+                    held = ready.pop(off)
+                    for topic, value, key, headers, partition in (held if type(held) is list else (held,)):
+                        try:
+                            if headers is None:
+                                produce(topic, value, key, partition=partition)
+                            else:
+                                produce(topic, value, key, partition=partition, headers=headers)
+                        except (BufferError, KafkaException):  # queue full, or too large: the careful path
+                            self._publish(topic, value, key, headers, None, partition)
                     produced += 1
             bounded_call(send_offsets_and_commit, budget)
         except CallHung:

@@ -46,6 +46,7 @@ from pipeline.worker.processor import Processor
 from pipeline.worker.responder import Responder
 from pipeline.worker.scheduler import Scheduler
 from pipeline.worker.state import Session, WorkerStats
+from pipeline.worker.streaming import ChunkPublisher
 
 __all__ = ["Worker", "WorkerStats"]
 
@@ -89,8 +90,9 @@ class Worker:
         self.recent = RecentRequests(cfg.dedupe_window, self.checkpoint.exactly_once)
         self.responder = Responder(settings, self.codec, self.worker_id, session, self.checkpoint, self.recent,
                                    stats, metrics)
+        self.chunks = ChunkPublisher(settings, self.codec, self.worker_id, session, self.checkpoint.exactly_once)
         self.processor = Processor(cfg, backend, self.codec, session, self.responder, self.scheduler, self.flow,
-                                   self.recent, stats, metrics)
+                                   self.recent, stats, metrics, self.chunks, settings.topics.prefix)
         self._consumer_overrides = consumer_overrides or {}
         self._producer_overrides = producer_overrides or {}
         self._stop = threading.Event()
@@ -214,7 +216,7 @@ class Worker:
     async def _consume_until_stopped(self) -> None:
         session, cfg = self.session, self.cfg
         consumer, producer = session.consumer, session.producer
-        flow, checkpoint, processor = self.flow, self.checkpoint, self.processor
+        flow, checkpoint, processor, chunks = self.flow, self.checkpoint, self.processor, self.chunks
         tasks = processor.tasks
         idle_s = cfg.idle_poll_ms / 1000.0
         batch = cfg.batch_size
@@ -254,6 +256,7 @@ class Worker:
             dispatched = dispatch() if now >= hold_until else 0
             flow.turn()
             producer.poll(0)
+            chunks.poll()
             if checkpoint.due(now):
                 checkpoint.commit(asynchronous=True)
             if flow.full(len(tasks)) or self._backend_full:
@@ -424,6 +427,7 @@ class Worker:
         if session.producer is not None:
             session.producer.flush(10)
             session.producer = None
+        self.chunks.close()
         if session.cancellations is not None:
             session.cancellations.close()
             session.cancellations = None

@@ -27,6 +27,7 @@ from pipeline.worker.flow import Flow
 from pipeline.worker.responder import Responder
 from pipeline.worker.scheduler import Scheduler
 from pipeline.worker.state import Session, WorkerStats
+from pipeline.worker.streaming import ChunkPublisher, stream_completion
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,11 @@ def _now_ms() -> int:
 
 class Processor:
     def __init__(self, cfg: WorkerSettings, backend: Backend, codec: Codec, session: Session, responder: Responder,
-                 scheduler: Scheduler, flow: Flow, recent: RecentRequests, stats: WorkerStats, metrics: WorkerMetrics):
+                 scheduler: Scheduler, flow: Flow, recent: RecentRequests, stats: WorkerStats, metrics: WorkerMetrics,
+                 publisher: ChunkPublisher | None = None, topics_prefix: str | None = None):
         self.cfg = cfg
+        self.publisher = publisher
+        self.topics_prefix = topics_prefix  # reply_to must name a topic under it
         self.backend = backend  # see the setter: what the backend says about its room
         self.codec = codec
         self.session = session
@@ -77,6 +81,7 @@ class Processor:
         self._reserve = getattr(backend, "reserve", None)
         self._release = getattr(backend, "release", None)
         self._same_servers = getattr(backend, "same_servers", None)
+        self._stream = getattr(backend, "stream", None)
 
     @property
     def releasing(self) -> int:
@@ -123,7 +128,7 @@ class Processor:
                 responder.dead_letter(msg, (msg.topic(), msg.partition()), msg.offset(), exc.reason, str(exc))
         started = _now_ms()
         cancellations = self.session.cancellations
-        seen, partial = self.recent.check, functools.partial
+        seen, partial, prefix = self.recent.check, functools.partial, self.topics_prefix
         # Answers go out in message order (a copy of a request answered in the same chunk is
         # given that answer): message by message, either a deferred answer (a callable) or
         # [msg, request, answer, its index] whose answer the backend stage fills in (or
@@ -132,7 +137,7 @@ class Processor:
         runnable = []
         for msg, request in decoded:
             tp, offset = (msg.topic(), msg.partition()), msg.offset()
-            invalid = validate_request(request, started)
+            invalid = validate_request(request, started, prefix)
             if invalid is not None:
                 outcomes.append(partial(responder.reject, tp, offset, request, invalid))
                 continue
@@ -263,7 +268,11 @@ class Processor:
         key = (tp, offset)
         try:
             backend = self.backend
-            completion = await (backend.complete(request) if slot is None else backend.complete(request, slot))
+            if request.stream and self._stream is not None and self.publisher is not None:
+                completion = await stream_completion(backend, request, slot, self.publisher, self.metrics,
+                                                     lambda: self.scheduler.keep(key))
+            else:
+                completion = await (backend.complete(request) if slot is None else backend.complete(request, slot))
         except asyncio.CancelledError:
             me = asyncio.current_task()
             if me in self._preempted:  # back in its queue (preempted): no answer now

@@ -12,6 +12,7 @@ the original value and says how long it was.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -24,12 +25,21 @@ from pipeline.errors import BackendError, EncodeError, KafkaOperationError
 from pipeline.models import Request, Response, Status
 from pipeline.observability.metrics import WorkerMetrics, reason_code
 from pipeline.serde import RESPONSE_FIELDS, Codec
-from pipeline.worker.checkpoint import Checkpoint
+from pipeline.worker.checkpoint import ANY_PARTITION, Checkpoint, Outcome
 from pipeline.worker.dedupe import RecentRequests
+from pipeline.worker.replies import ReplyTargets
 from pipeline.worker.scheduler import topic_bands
 from pipeline.worker.state import Session, WorkerStats
 
 log = logging.getLogger(__name__)
+
+
+#: Where the output sits in a response's field values: a receipt is the answer without it.
+_OUTPUT = RESPONSE_FIELDS.index("output")
+
+#: The broker or the producer knows no such topic or partition (a reply destination).
+_UNKNOWN_DESTINATION = frozenset((KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC,
+                                  KafkaError.UNKNOWN_TOPIC_OR_PART))
 
 
 def _now_ms() -> int:
@@ -62,11 +72,13 @@ class Responder:
         self.worker_id = worker_id
         self.responses_topic = settings.topics.responses
         self.dlq_topic = settings.topics.dlq
+        self.receipts_topic = settings.topics.receipts
         self.session = session
         self.checkpoint = checkpoint
         self.recent = recent
         self.stats = stats
         self.metrics = metrics
+        self.targets = ReplyTargets(settings, session)
         # A dead letter has no decoded priority: its topic's band stands in.
         self._topic_band = {topic: band.value for topic, band in topic_bands(settings).items()}
 
@@ -79,20 +91,22 @@ class Responder:
         self.stats.rejected += 1
         self.metrics.outcome(band, "rejected")
         self.metrics.rejections.labels(band, reason_code(reason)).inc()
-        self.respond(tp, offset, answer(request, Status.REJECTED, self.worker_id, reason=reason), remember=False)
+        self.respond(tp, offset, answer(request, Status.REJECTED, self.worker_id, reason=reason), remember=False,
+                     target=self.targets.of(request))
 
     def expire(self, tp, offset: int, request: Request, started: int) -> None:
         self.stats.expired += 1
         self.metrics.outcome(request.priority._value_, "expired")
         self.respond(tp, offset, answer(
             request, Status.EXPIRED, self.worker_id, started_at=started,
-            reason="deadline_passed: the request's timeout ran out before a worker took it"))
+            reason="deadline_passed: the request's timeout ran out before a worker took it"), target=self.targets.of(request))
 
     def cancelled(self, tp, offset: int, request: Request, started: int, reason: str) -> None:
         self.stats.cancelled += 1
         self.metrics.outcome(request.priority._value_, "cancelled")
         self.respond(tp, offset, answer(
-            request, Status.CANCELLED, self.worker_id, reason=f"cancelled: {reason}", started_at=started))
+            request, Status.CANCELLED, self.worker_id, reason=f"cancelled: {reason}", started_at=started),
+            target=self.targets.of(request))
 
     def backend_failed(self, tp, offset: int, request: Request, started: int, exc: Exception,
                        backend_name: str = "") -> None:
@@ -105,7 +119,7 @@ class Responder:
         self.stats.failed += 1
         self.metrics.outcome(request.priority._value_, "failed")
         self.respond(tp, offset, answer(request, Status.FAILED, self.worker_id, reason=reason, started_at=started,
-                                        model=request.model))
+                                        model=request.model), target=self.targets.of(request))
 
     def model_unavailable(self, tp, offset: int, request: Request, started: int) -> None:
         """FAILED at once, without a call: no server is configured for the request's model, and
@@ -115,7 +129,7 @@ class Responder:
         self.metrics.outcome(request.priority._value_, "failed")
         self.respond(tp, offset, answer(request, Status.FAILED, self.worker_id, started_at=started,
                                         reason=f"model_unavailable: no server for model {model}",
-                                        model=request.model))
+                                        model=request.model), target=self.targets.of(request))
 
     def duplicate(self, tp, offset: int, request: Request, first: tuple | None = None) -> None:
         """A copy of an id taken before (see dedupe.py): the first answer's bytes again, or, the
@@ -138,7 +152,8 @@ class Responder:
             return
         self.stats.duplicates += 1
         self.metrics.duplicates.labels("repeated").inc()
-        self.emit(tp, offset, self.responses_topic, value, key, None)
+        topic, partition = self.targets.of(request)  # where this copy asked for it
+        self.emit(tp, offset, topic, value, key, None, partition)
 
     def completed_many(self, done: list, started: int, seconds: float = 0.0) -> None:
         """The COMPLETED answers of ``done`` ``(tp, offset, request, completion)``, the
@@ -146,8 +161,9 @@ class Responder:
         self.stats.completed += len(done)
         self.metrics.completed_many(done, seconds)
         finished = _now_ms()
-        encode, wire, topic, worker_id = self.codec.encode_response_values, self.wire, self.responses_topic, \
-            self.worker_id
+        encode, wire, default_topic, worker_id = self.codec.encode_response_values, self.wire, \
+            self.responses_topic, self.worker_id
+        target = self.targets.of
         checkpoint = self.checkpoint
         hold = checkpoint.hold if checkpoint.exactly_once else None
         remember = self.recent.answered if self.recent.window else None
@@ -161,7 +177,12 @@ class Responder:
                       c.completion_tokens, c.model, request.degraded_from is not None, request.priority,
                       request.effective_priority or request.priority, request.created_at, request.admitted_at,
                       started, finished, worker_id, None,
-                      {"trace_id": request.trace_id} if request.trace_id else {}, None, None)
+                      {"trace_id": request.trace_id} if request.trace_id else {}, None, None,
+                      c.finish_reason, c.usage_estimated)
+            if request.reply_to is None and request.reply_partition is None:
+                topic, partition = default_topic, ANY_PARTITION
+            else:
+                topic, partition = target(request)
             try:
                 value = encode(values, wire, topic)
             except EncodeError as exc:
@@ -169,24 +190,45 @@ class Responder:
             key = request.tenant_id.encode()
             if remember is not None:
                 remember(request.request_id, (tp, offset), value, key)
+            receipt = None
+            if partition != ANY_PARTITION or topic != default_topic:
+                receipt = self._receipt_of(request, values, key, topic, partition)
             if hold is not None:
-                hold(tp, offset, (topic, value, key, None))
+                hold(tp, offset, (topic, value, key, None, partition), receipt)
             else:
-                on_delivery = partial(delivered, tp, offset)
+                on_delivery = partial(delivered, tp, offset) if receipt is None else \
+                    partial(self._answered, tp, offset, receipt[1])
                 try:
-                    produce(topic, value, key, on_delivery=on_delivery)
+                    produce(topic, value, key, partition=partition, on_delivery=on_delivery)
                 except (BufferError, KafkaException):  # queue full, or too large: the careful path
-                    self.produce(topic, value, key, None, on_delivery)
+                    self.produce(topic, value, key, None, on_delivery, partition)
 
-    def respond(self, tp, offset: int, response: Response, remember: bool = True) -> None:
+    def respond(self, tp, offset: int, response: Response, remember: bool = True,
+                target: tuple[str, int] | None = None) -> None:
+        """Publish ``response`` as the outcome of the message at ``tp``/``offset``, to ``target``
+        ``(topic, partition)`` (the request's reply destination; default the responses topic)."""
+        topic, partition = target or (self.responses_topic, ANY_PARTITION)
         try:
-            value = self.codec.encode_response(response, self.wire, self.responses_topic)
+            value = self.codec.encode_response(response, self.wire, topic)
         except EncodeError as exc:
             value = self._fallback(response, f"response_too_large: {exc}")
         key = response.tenant_id.encode()
         if remember:
             self.recent.answered(response.request_id, (tp, offset), value, key)
-        self.emit(tp, offset, self.responses_topic, value, key, None)
+        receipt = None
+        if response.admitted_at is not None and not self.targets.is_home(key, topic, partition):
+            receipt = self.codec.encode_response(dataclasses.replace(response, output=None), self.wire,
+                                                 self.receipts_topic)
+        self.emit(tp, offset, topic, value, key, None, partition, receipt)
+
+    def _receipt_of(self, request: Request, values: tuple, key: bytes, topic: str, partition: int) -> Outcome | None:
+        """The receipt of a COMPLETED answer headed for ``topic``/``partition`` (None if the
+        gateway reads it there, or no gateway dispatched the request)."""
+        if request.admitted_at is None or self.targets.is_home(key, topic, partition):
+            return None
+        receipt = self.codec.encode_response_values(values[:_OUTPUT] + (None,) + values[_OUTPUT + 1:], self.wire,
+                                                   self.receipts_topic)
+        return self.receipts_topic, receipt, key, None, ANY_PARTITION
 
     def _fallback(self, response: Response, reason: str) -> bytes:
         log.warning("request %s answered FAILED: %s", response.request_id, reason)
@@ -210,25 +252,42 @@ class Responder:
         headers = dead_letter_headers(tp[0], tp[1], offset, reason, error, "worker", msg.headers())
         self.emit(tp, offset, self.dlq_topic, msg.value(), msg.key(), headers)
 
-    def emit(self, tp, offset: int, topic: str, value, key, headers) -> None:
-        """Publish the one outcome of the message at ``tp``/``offset``."""
-        if self.checkpoint.exactly_once:
-            self.checkpoint.hold(tp, offset, (topic, value, key, headers))
-        else:
-            self.produce(topic, value, key, headers, functools.partial(self._delivered, tp, offset))
+    def emit(self, tp, offset: int, topic: str, value, key, headers, partition: int = ANY_PARTITION,
+             receipt: bytes | None = None) -> None:
+        """Publish the one outcome of the message at ``tp``/``offset``, and its ``receipt`` (an
+        answer that goes where the gateway does not read: see TopicSettings.receipts).
 
-    def produce(self, topic: str, value, key, headers, on_delivery) -> None:
-        """Produce, however long the local queue stays full, and shrunk if it is too large."""
+        At-least-once the receipt is produced once the answer is acknowledged, and the offset
+        finishes once the receipt is: a crash in between answers the request again (the
+        client drops the repeat) rather than leaving its tenant's quota taken for good."""
+        if self.checkpoint.exactly_once:
+            self.checkpoint.hold(tp, offset, (topic, value, key, headers, partition),
+                                 None if receipt is None else (self.receipts_topic, receipt, key, None, ANY_PARTITION))
+        elif receipt is None:
+            self.produce(topic, value, key, headers, functools.partial(self._delivered, tp, offset), partition)
+        else:
+            self.produce(topic, value, key, headers, functools.partial(self._answered, tp, offset, receipt), partition)
+
+    def produce(self, topic: str, value, key, headers, on_delivery, partition: int = ANY_PARTITION) -> None:
+        """Produce, however long the local queue stays full, shrunk if it is too large, and to
+        the responses topic if a reply topic or partition turns out not to exist."""
         producer = self.session.producer
         while True:
             try:
-                producer.produce(topic, value, key, headers=headers, on_delivery=on_delivery)
+                producer.produce(topic, value, key, headers=headers, on_delivery=on_delivery, partition=partition)
                 return
             except BufferError:
                 # Local queue full: serve delivery reports until there is room.
                 producer.poll(0.05)
             except KafkaException as exc:
-                if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                code = exc.args[0].code()
+                if code in _UNKNOWN_DESTINATION:
+                    instead = self.targets.fallback(topic, partition)
+                    if instead is None:
+                        raise
+                    topic, partition = instead
+                    continue
+                if code != KafkaError.MSG_SIZE_TOO_LARGE:
                     raise
                 topic, value, key, headers = self._shrunk(topic, value, key, headers)
 
@@ -247,6 +306,14 @@ class Responder:
         response = self.codec.decode_response(value)
         return topic, self._fallback(response, "response_too_large: the broker refused its size"), key, None
 
+    def _answered(self, tp, offset: int, receipt: bytes, err, msg) -> None:
+        """The answer is acknowledged (or not): now its receipt, whose delivery finishes the offset."""
+        if err is None:
+            self.produce(self.receipts_topic, receipt, msg.key(), None, functools.partial(self._delivered, tp, offset))
+            return
+        self._not_delivered(err, msg, functools.partial(self._answered, tp, offset, receipt),
+                            f"{tp[0]}[{tp[1]}]@{offset}")
+
     def _delivered(self, tp, offset: int, err, msg) -> None:
         if err is None:
             self.checkpoint.tracker.finished(tp, offset)
@@ -258,10 +325,19 @@ class Responder:
 
     def _not_delivered(self, err, msg, on_delivery, what: str) -> None:
         """A message the broker did not acknowledge: publish it again, smaller if it was too
-        large, or stop on a fatal error; its offset is not committed meanwhile."""
+        large, to the responses topic if its reply topic or partition does not exist, or stop
+        on a fatal error; its offset is not committed meanwhile."""
         if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
-            self.produce(*self._shrunk(msg.topic(), msg.value(), msg.key(), msg.headers()), on_delivery)
+            partition = msg.partition()
+            self.produce(*self._shrunk(msg.topic(), msg.value(), msg.key(), msg.headers()), on_delivery,
+                         partition if partition is not None and partition >= 0 else ANY_PARTITION)
             return
+        if err.code() in _UNKNOWN_DESTINATION:
+            instead = self.targets.fallback(msg.topic(), msg.partition())
+            if instead is not None:
+                log.warning("response for %s: %s; publishing it to %s", what, err, instead[0])
+                self.produce(instead[0], msg.value(), msg.key(), msg.headers(), on_delivery, instead[1])
+                return
         if err.fatal():
             self.session.fail(KafkaOperationError("produce response", err.str(), err))
             log.error("fatal producer error, stopping without committing %s: %s", what, err)
@@ -269,5 +345,7 @@ class Responder:
         # Not acknowledged: never commit past it; publish again (idempotent producer).
         self.stats.delivery_retries += 1
         log.warning("response for %s not delivered (%s); retrying", what, err)
-        self.produce(msg.topic(), msg.value(), msg.key(), msg.headers(), on_delivery)
+        partition = msg.partition()
+        self.produce(msg.topic(), msg.value(), msg.key(), msg.headers(), on_delivery,
+                     partition if partition is not None and partition >= 0 else ANY_PARTITION)
 

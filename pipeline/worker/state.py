@@ -36,11 +36,13 @@ class WorkerStats:
 class Session:
     """The clients of the session running now, and whether it must end early."""
 
-    __slots__ = ("consumer", "producer", "cancellations", "fatal", "restart")
+    __slots__ = ("consumer", "producer", "chunk_producer", "cancellations", "fatal", "restart")
 
     def __init__(self) -> None:
         self.consumer = None
         self.producer = None  # None once abandoned (see checkpoint.py): nothing can be produced then
+        #: Exactly-once only: streamed chunks go out outside the transactions (see streaming.py).
+        self.chunk_producer = None
         self.cancellations = None
         #: The error that stops the worker (the first one reported).
         self.fatal: KafkaOperationError | None = None

@@ -73,6 +73,23 @@ class SimulatedBackend:
         await asyncio.sleep(self.delay_s(request))
         return self._answer(request)
 
+    async def stream(self, request: Request):
+        """The same answer word by word: the first after ``latency_ms``, each next one
+        ``ms_per_token`` later (the whole stream takes what :meth:`complete` takes), then a
+        last piece with the finish reason and usage, as the OpenAI backend's streams end."""
+        from pipeline.worker.backends.openai_wire import Chunk, Usage
+
+        answer = self._answer(request)
+        requested = _requested_latency_ms(request)
+        words = answer.output.split(" ") if answer.output else []
+        first_s = (requested if requested is not None else self.latency_ms) / 1000.0
+        gap_s = 0.0 if requested is not None else self.ms_per_token / 1000.0
+        for i, word in enumerate(words):
+            await asyncio.sleep(first_s + gap_s if i == 0 else gap_s)
+            yield Chunk(i, word if i == 0 else " " + word)
+        finish = "length" if answer.completion_tokens == request.max_tokens else "stop"
+        yield Chunk(len(words), "", finish, Usage(answer.prompt_tokens, answer.completion_tokens))
+
     async def close(self) -> None:
         return None
 
