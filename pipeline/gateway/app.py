@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from pathlib import Path
 
 import faust
@@ -41,7 +40,7 @@ from pipeline.gateway.intake import Intake
 from pipeline.gateway.outputs import Outputs
 from pipeline.gateway.partitions import Ownership, partitioner
 from pipeline.gateway.seen import RecentIds
-from pipeline.gateway.tenants import TenantStates
+from pipeline.gateway.tenant_states import TenantStates
 from pipeline.models import BANDS, Priority, now_ms
 from pipeline.observability.metrics import GatewayMetrics
 from pipeline.policy.admission import Admission, DegradePolicy, RateLimits
@@ -50,7 +49,8 @@ from pipeline.policy.priority import PriorityPolicy
 from pipeline.policy.queues import QueueModel
 from pipeline.runtime import freeze_long_lived
 from pipeline.serde.factory import codec_for
-from pipeline.topics import TopicSpec, ensure_topics
+from pipeline.tenants.registry import TenantRegistry
+from pipeline.topics import TopicSpec, ensure_topics, wait_visible
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,8 @@ class Gateway:
 
         raw = dict(key_type=bytes, value_type=bytes, value_serializer="raw")
         self.requests = {p: self.app.topic(t.request_topic(p), **raw) for p in BANDS}
-        self.responses_in = self.app.topic(t.responses, **raw)
+        # Where the gateway learns that a dispatched request finished (see completions.py).
+        self.finished_in = self.app.topic(t.responses, t.receipts, **raw)
         # Keys are raw bytes (the app's key_serializer), values JSON (its value_serializer).
         table = dict(partitions=t.request_partitions, key_type=bytes, use_partitioner=True)
         self.tenants_table = self.app.Table("tenants", default=None, **table)
@@ -119,13 +120,16 @@ class Gateway:
         caps = g.band_ints("queue_caps")
         self.queues = QueueModel([caps.get(p.value, 0) for p in BANDS], default_rate_per_s=g.default_drain_rate,
                                  target_queue_ms=g.target_queue_ms)
+        # Who a tenant is (tier, highest band, models, signatures) and its own limits and caps:
+        # read live from the registry topic; the config's per-tenant tables still win.
+        self.registry = TenantRegistry(settings)
         default_limits, tenant_limits = g.rate_limits()
         self.admission = Admission(
             PriorityPolicy(tier_offsets=dict(g.tier_offsets), urgent_ms=g.urgent_ms,
                            urgent_eta_factor=g.urgent_eta_factor, high_load=g.high_load),
-            RateLimits(default_limits, tenant_limits),
+            RateLimits(default_limits, tenant_limits, lookup=self._registered_limits),
             FairnessQuotas(g.band_ints("tenant_outstanding"), floor=Priority(g.demote_floor),
-                           tenant_caps=dict(g.tenant_outstanding_overrides)),
+                           tenant_caps=dict(g.tenant_outstanding_overrides), lookup=self._registered_caps),
             self.queues,
             DegradePolicy(load=g.degrade_load, downgrade=dict(g.downgrade), simple_prompt_tokens=g.simple_prompt_tokens,
                           simple_max_tokens=g.simple_max_tokens),
@@ -139,8 +143,9 @@ class Gateway:
                                      state_every_s=g.state_flush_ms / 1000.0, every_s=g.decision_flush_ms / 1000.0)
         common = dict(codec=self.codec, admission=self.admission, tenants=self.tenants, seen=self.seen,
                       checkpoint=self.checkpoint, metrics=self.metrics)
-        self.intake = Intake(wire=settings.serde.wire_format, topics=t, cancelled=self._cancelled, **common)
-        self.completions = Completions(**common)
+        self.intake = Intake(wire=settings.serde.wire_format, topics=t, cancelled=self._cancelled,
+                             authorize=self.registry.authorize, **common)
+        self.completions = Completions(partitions=t.request_partitions, receipts=t.receipts, **common)
         self.depths = DispatchDepths(settings, self._reading, interval_s=g.depth_refresh_ms / 1000.0)
         self._wire()
 
@@ -159,7 +164,7 @@ class Gateway:
                     gateway._maybe_reload()
                     gateway.intake.handle(event)
 
-        @app.agent(self.responses_in, name="completions")
+        @app.agent(self.finished_in, name="completions")
         async def completions(stream):
             async for event in stream.noack().events():
                 gateway._maybe_reload()
@@ -184,6 +189,7 @@ class Gateway:
         async def close_outputs(sender, **kwargs):
             gateway._stopping = True
             gateway.depths.stop()
+            gateway.registry.stop()
             await gateway.checkpoint.round(final=True)
             gateway.outputs.close()
 
@@ -199,6 +205,14 @@ class Gateway:
 
         app.page("/v1/queue")(queue_view)
         app.page("/metrics")(metrics_view)
+
+    def _registered_limits(self, tenant: str):
+        record = self.registry.get(tenant)
+        return None if record is None else record.limits
+
+    def _registered_caps(self, tenant: str):
+        record = self.registry.get(tenant)
+        return None if record is None else record.outstanding
 
     def _maybe_reload(self) -> None:
         """The first event after a rebalance: the tables are recovered by now (Faust delivers no
@@ -277,7 +291,7 @@ class Gateway:
         admin = AdminClient(self.settings.kafka.admin_config())
         t = self.settings.topics
         listed = admin.list_topics(timeout=timeout).topics
-        for name in [*t.request_topics, t.responses]:
+        for name in [*t.request_topics, t.responses, t.receipts]:
             md = listed.get(name)
             if md is not None and md.error is None and len(md.partitions) != t.request_partitions:
                 raise LlmqError(f"{name} has {len(md.partitions)} partitions, the gateway needs "
@@ -288,21 +302,14 @@ class Gateway:
         if report.mismatched:
             raise LlmqError("gateway state topics have other partition counts than their sources: "
                             + ", ".join(f"{t} ({have}, expected {want})" for t, want, have in report.mismatched))
-        deadline = time.monotonic() + timeout
-        names = {s.name for s in specs}
-        while True:
-            listed = admin.list_topics(timeout=timeout).topics
-            if all(n in listed and listed[n].error is None and listed[n].partitions for n in names):
-                return
-            if time.monotonic() > deadline:
-                raise LlmqError(f"gateway state topics not visible after {timeout:.0f} s: "
-                                + ", ".join(sorted(n for n in names if n not in listed)))
-            time.sleep(0.2)
+        wait_visible(admin, [s.name for s in specs], timeout)
 
     def run(self, loglevel: str = "INFO") -> None:
         """Run until SIGTERM/SIGINT (then: write and deliver what is decided, commit, leave the
         group). Exits the process."""
         self.ensure_internal_topics()
+        # Before the first request: a tenant is never decided on without its record.
+        self.registry.start(wait_s=30.0)
         worker = _GatewayWorker(self.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
         worker.execute_from_commandline()
 

@@ -1,21 +1,21 @@
 """When a request is done: its outputs delivered, and its decision and state written.
 
-Agents decide requests one by one and hand their outputs here; they go out at once
-(:class:`~pipeline.gateway.outputs.Outputs`). The checkpoint task, in a loop (a *round*), writes
-what was decided since the last round to the Faust tables: the new ids seen (the decisions, one
-record per request partition) every round (at most every ``every_s``), the tenants' changed
-records every ``state_every_s``, and waits until Faust's producer has delivered them. A request is
-acknowledged (and so committed by Faust) once its outputs are delivered and a state write after
-its decision is durable. A round's cost is a few records whatever the number of tenants; while
-one round waits for the broker, the next requests are decided and answered.
+Agents decide requests one by one and hand their outputs here. The checkpoint task, in a loop
+(a *round*), writes what was decided since the last round to the Faust tables, the new ids seen
+(the decisions, one record per request partition), waits until Faust's producer has delivered
+them, and only then sends the round's outputs (:class:`~pipeline.gateway.outputs.Outputs`). The
+tenants' changed records are written every ``state_every_s``. A request is acknowledged (and so
+committed by Faust) once its outputs are delivered and a state write after its decision is
+durable. A round's cost is a few records whatever the number of tenants; while one round waits
+for the broker, the next requests are decided.
 
-Answers do not wait for the decision records: writing those first cost every answer a round
-trip through Faust's producer on a busy event loop (tens of milliseconds). The price is a narrow
-window: a gateway killed after an answer left but before its decision was written decides that
-request again after the restart. Tenant-local rules (rate limits, quotas) decide it the same way
-again (the buckets run on arrival time, and the state comes back as of its last write with the
-later requests applied in order); the queue's own verdicts (queue_full, a deadline the queue
-cannot meet, load) can differ, since the queue moved on.
+An answer never leaves before its decision is durable: a gateway killed at any moment either
+left no trace of a request (it is decided again, as if for the first time) or recorded what it
+decided (it goes out again unchanged). Deciding again a request whose answer had gone out could
+answer it twice, differently: the queue's verdicts (queue_full, load, a deadline the queue
+cannot meet) move on, and the requests of five band topics are not read back in the order they
+were first decided. The wait costs each answer one write to the broker (the round it is
+decided in), which the rounds share.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 
 from pipeline.gateway.outputs import Done, Outputs
 from pipeline.gateway.seen import RecentIds
-from pipeline.gateway.tenants import TenantStates
+from pipeline.gateway.tenant_states import TenantStates
 from pipeline.models import now_ms
 
 log = logging.getLogger(__name__)
@@ -42,18 +42,18 @@ class Checkpoint:
         self.state_every_s = state_every_s
         self.every_s = every_s
         self._dones: list[Done] = []  # decided since the last round
+        self._outputs: list[tuple] = []  # their outputs, sent once the round has written the decisions
         self._unwritten: list[Done] = []  # sent, their tenant state not written yet
         self._state_at = time.monotonic()
         self._wake = asyncio.Event()
         self.rounds = 0
 
     def after_write(self, event, outputs: list) -> None:
-        """Send ``outputs`` (``(topic, value, key, headers[, partition])``) now, and acknowledge
-        ``event`` once they are delivered and its decision and state are written."""
+        """Send ``outputs`` (``(topic, value, key, headers[, partition])``) once ``event``'s
+        decision is written, and acknowledge it once they are delivered and its state is written."""
         done = Done(event, len(outputs))
-        send = self.outputs.send
-        for output in outputs:
-            send(output[0], output[1], output[2], done, output[3], *output[4:])
+        if outputs:
+            self._outputs.append((done, outputs))
         self._dones.append(done)
         self._wake.set()
 
@@ -80,6 +80,7 @@ class Checkpoint:
     async def round(self, *, final: bool = False) -> None:
         self._wake.clear()
         dones, self._dones = self._dones, []
+        outputs, self._outputs = self._outputs, []
         if not dones and not self._unwritten:
             return
         now = now_ms()
@@ -91,6 +92,10 @@ class Checkpoint:
             self._state_at = time.monotonic()
             written, self._unwritten = self._unwritten, []
         await self.producer.flush()
+        send = self.outputs.send
+        for done, outs in outputs:
+            for output in outs:
+                send(output[0], output[1], output[2], done, output[3], *output[4:])
         for done in written:
             done.one()
         self.rounds += 1

@@ -2,9 +2,12 @@
 and its token buckets are corrected by what the model really used.
 
 Responses are keyed by tenant like requests, in as many partitions, so the gateway that owns a
-tenant's requests also reads its responses. A terminal answer counts once: the ids seen say
-whether the request is still in flight (a worker that answers an id twice, as at-least-once
-allows, changes nothing the second time).
+tenant's requests also reads its responses. An answer a worker sent elsewhere (a reply topic,
+the client's own reply partition) comes with a receipt, the same record without the text, on
+the receipts topic, co-partitioned the same way (TopicSettings.receipts). A terminal answer
+counts once: the ids seen say whether the request is still in flight (a worker that answers
+an id twice, as at-least-once allows, or an answer and its receipt, change nothing the second
+time).
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import logging
 from pipeline.errors import DecodeError
 from pipeline.gateway.checkpoint import Checkpoint
 from pipeline.gateway.seen import RecentIds
-from pipeline.gateway.tenants import TenantStates
+from pipeline.gateway.tenant_states import TenantStates
 from pipeline.models import Status, now_ms
 from pipeline.observability.metrics import GatewayMetrics
+from pipeline.partitioning import tenant_partition
 from pipeline.policy.admission import Admission
 
 log = logging.getLogger(__name__)
@@ -24,39 +28,54 @@ log = logging.getLogger(__name__)
 
 class Completions:
     def __init__(self, *, codec, admission: Admission, tenants: TenantStates, seen: RecentIds, checkpoint: Checkpoint,
-                 metrics: GatewayMetrics):
+                 metrics: GatewayMetrics, partitions: int, receipts: str = ""):
         self.codec = codec
         self.admission = admission
         self.tenants = tenants
         self.seen = seen
         self.checkpoint = checkpoint
         self.metrics = metrics
+        self.partitions = partitions
+        self._homes: dict[str, int] = {}
+        #: Each source's name in the tenant records' ``applied``: the responses, the receipts.
+        self.sources = {receipts: "c"}
 
-    #: The responses' name in the tenant records' ``applied``.
     SOURCE = "r"
+
+    def _home(self, tenant: str) -> int:
+        home = self._homes.get(tenant)
+        if home is None:
+            if len(self._homes) >= 65536:
+                self._homes.clear()
+            home = self._homes[tenant] = tenant_partition(tenant.encode(), self.partitions)
+        return home
 
     def handle(self, event) -> None:
         msg = event.message
         try:
-            self._handle(msg.value, msg.partition, msg.offset)
+            self._handle(msg.value, msg.partition, msg.offset, self.sources.get(msg.topic, self.SOURCE))
         except Exception:  # noqa: BLE001 (a response the gateway cannot count is still the client's)
             log.exception("counting the completion %s[%d]@%d failed", msg.topic, msg.partition, msg.offset)
         self.checkpoint.after_write(event, [])
 
-    def _handle(self, value: bytes, partition: int, offset: int) -> None:
+    def _handle(self, value: bytes, partition: int, offset: int, source: str = SOURCE) -> None:
         try:
             resp = self.codec.decode_response(value)
         except DecodeError:
             return  # the response topic's readers dead-letter nothing: not ours to judge
         if not resp.status.is_terminal or resp.admitted_at is None or resp.served_priority is None:
             return  # progress events, and answers to requests no gateway dispatched
+        if self._home(resp.tenant_id) != partition:
+            # An answer in a client's own reply partition: its receipt, in the tenant's partition,
+            # counts it, read by the gateway that owns the tenant (which this one may not be).
+            return
         state = self.tenants.get(resp.tenant_id)
-        if state.holds(self.SOURCE, offset):
+        if state.holds(source, offset):
             return  # read again after a crash: its effect is in the record already
         seen = self.seen.finished(resp.request_id, partition)
         if seen is None and self.seen.get(resp.request_id) is not None:
             return  # counted already (a second terminal answer to the same id)
-        state.apply(self.SOURCE, offset)
+        state.apply(source, offset)
         # Only a completed answer says what the model used; a failed call is settled at nothing.
         used = resp.prompt_tokens + resp.completion_tokens if resp.status is Status.COMPLETED else 0
         self.admission.finished(resp.tenant_id, state, resp.served_priority, seen.model if seen else None,

@@ -21,15 +21,17 @@ answer it gave).
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from pipeline.dlq import dead_letter_headers
 from pipeline.errors import DecodeError, EncodeError
 from pipeline.gateway.checkpoint import Checkpoint
 from pipeline.gateway.seen import RecentIds, Seen
-from pipeline.gateway.tenants import TenantStates
+from pipeline.gateway.tenant_states import TenantStates
 from pipeline.models import BANDS, Priority, Request, Response, Status, now_ms
 from pipeline.observability.metrics import GatewayMetrics, reason_code
 from pipeline.policy.admission import Action, Admission
+from pipeline.tenants.policy import Authorization
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,8 @@ def arrival_ms(timestamp_s: float | None, now: int) -> int:
 
 class Intake:
     def __init__(self, *, codec, wire: str, admission: Admission, tenants: TenantStates, seen: RecentIds,
-                 checkpoint: Checkpoint, topics, metrics: GatewayMetrics, cancelled=lambda request_id: False):
+                 checkpoint: Checkpoint, topics, metrics: GatewayMetrics, cancelled=lambda request_id: False,
+                 authorize: Callable[..., Authorization] | None = None):
         self.codec = codec
         self.wire = wire
         self.admission = admission
@@ -60,6 +63,8 @@ class Intake:
         self.checkpoint = checkpoint
         self.metrics = metrics
         self.cancelled = cancelled
+        #: The tenant registry's verdict (pipeline/tenants/policy.py); None: every tenant as it says.
+        self.authorize = authorize
         self.responses = topics.responses
         self.response_partitions = topics.response_partitions
         self.dlq = topics.dlq
@@ -98,6 +103,12 @@ class Intake:
             self._again(req, seen, redelivered, outputs)
             return
         now = now_ms()
+        if self.authorize is not None:
+            auth = self.authorize(req, msg.headers, msg.value, now)
+            if auth.problem is not None:
+                self._refuse(req, source, msg.partition, now, auth.problem, outputs)
+                return
+            req = auth.request
         arrived = arrival_ms(msg.timestamp, now)
         state = self.tenants.get(req.tenant_id)
         decision = self.admission.decide(req, now, state, cancelled=self.cancelled(req.request_id),
@@ -132,7 +143,16 @@ class Intake:
             m.rejections.labels(req.priority.value, reason_code(decision.reason)).inc()
         outputs.append(self._answer(Response.for_request(req, status, reason=decision.reason,
                                                          retry_after_ms=decision.retry_after_ms,
-                                                         served_priority=decision.band), req))
+                                                         served_priority=decision.band, finished_at=now), req))
+
+    def _refuse(self, req: Request, source: str, partition: int, now: int, reason: str, outputs: list) -> None:
+        """Refused by the registry (unknown, disabled, unsigned, a model not allowed): answered
+        REJECTED with the reason, remembered like any other answer, charged nothing."""
+        self.seen.add(req.request_id, partition, Seen(source, req.tenant_id, now, status=Status.REJECTED.value,
+                                                      reason=reason))
+        self.metrics.outcome(req.priority.value, "rejected")
+        self.metrics.rejections.labels(req.priority.value, reason_code(reason)).inc()
+        outputs.append(self._answer(Response.for_request(req, Status.REJECTED, reason=reason, finished_at=now), req))
 
     def _again(self, req: Request, seen: Seen, redelivered: bool, outputs: list) -> None:
         """A request whose id was decided before: the same outcome again, or nothing."""
@@ -141,7 +161,7 @@ class Intake:
             m.outcome(req.priority.value, "redelivered" if redelivered else "duplicate")
             outputs.append(self._answer(Response.for_request(
                 req, Status(seen.status), reason=seen.reason or None, retry_after_ms=seen.retry_after_ms or None,
-                served_priority=BANDS[seen.served] if seen.served >= 0 else None), req))
+                served_priority=BANDS[seen.served] if seen.served >= 0 else None, finished_at=seen.at_ms), req))
             return
         if not redelivered and seen.in_flight:
             m.outcome(req.priority.value, "duplicate")  # its first copy is still on its way: that answer covers it

@@ -11,14 +11,12 @@ partition's requests, such as the ids seen there.
 
 from __future__ import annotations
 
-from aiokafka.partitioner import murmur2
+from pipeline.partitioning import tenant_partition
+
+__all__ = ["Ownership", "key_partition", "partition_key", "partitioner", "tenant_partition"]
 
 _US = b"\x1f"
 _NUL = b"\x00"
-
-
-def tenant_partition(tenant_key: bytes, partitions: int) -> int:
-    return (murmur2(tenant_key) & 0x7FFFFFFF) % partitions
 
 
 def partition_key(partition: int, suffix: bytes) -> bytes:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 from pipeline.models import Priority, Request
 from pipeline.policy import ratelimit
@@ -72,13 +72,22 @@ class DegradePolicy:
 
 @dataclass(frozen=True)
 class RateLimits:
-    """The limits of every tenant: ``default`` unless the tenant has its own."""
+    """The limits of every tenant: its own in the config, else its registry record's
+    (``lookup(tenant)``: a list, or None for none of its own), else ``default``."""
 
     default: list[RateLimit] = field(default_factory=list)
     per_tenant: dict[str, list[RateLimit]] = field(default_factory=dict)
+    lookup: Callable[[str], Sequence[RateLimit] | None] | None = None
 
     def of(self, tenant: str) -> list[RateLimit]:
-        return self.per_tenant.get(tenant, self.default)
+        own = self.per_tenant.get(tenant)
+        if own is not None:
+            return own
+        if self.lookup is not None:
+            registered = self.lookup(tenant)
+            if registered is not None:
+                return list(registered)
+        return self.default
 
 
 def estimate_prompt_tokens(prompt: str) -> int:
@@ -104,9 +113,9 @@ class Admission:
     def decide(self, req: Request, now_ms: int, state: TenantState, *, cancelled: bool = False,
                arrived_ms: int | None = None) -> Decision:
         """``arrived_ms``: when the request reached Kafka (its record's timestamp), the clock of the
-        token buckets; a gateway that falls behind then neither squeezes a backlog through one
-        burst nor lets it through late, and a request decided again (after a crash) meets the
-        buckets at the same moment. Deadlines run on ``now_ms``."""
+        token buckets (never behind the latest arrival they were charged at: TenantState.bucket_time);
+        a gateway that falls behind then neither squeezes a backlog through one burst nor lets it
+        through late. Deadlines run on ``now_ms``."""
         problem = validate_request(req, now_ms, self.topics_prefix)
         if problem is not None:
             return Decision(Action.REJECT, problem)
@@ -153,12 +162,13 @@ class Admission:
             notes += (f"degraded {degraded_from} -> {model} at load {load:.0%}",)
 
         charged = prompt_tokens + req.max_tokens
-        limited = ratelimit.admit(state.buckets, self.limits.of(tenant), model, charged,
-                                  now_ms if arrived_ms is None else arrived_ms)
+        at = state.bucket_time(now_ms if arrived_ms is None else arrived_ms)
+        limited = ratelimit.admit(state.buckets, self.limits.of(tenant), model, charged, at)
         if not limited.admitted:
             return Decision(Action.REJECT, f"rate_limited: limit {limited.limit}: {limited.detail}",
                             retry_after_ms=limited.retry_after_ms or None, band=band)
 
+        state.charged_at(at)
         state.admitted(band.rank)
         queues.admitted(band.rank)
         return Decision(Action.DISPATCH, band=band, model=model, degraded_from=degraded_from,
@@ -168,7 +178,9 @@ class Admission:
                        arrived_ms: int) -> None:
         """The effect of an admission decided before, applied to a state that does not hold it yet
         (the state is written less often than decisions are recorded): charged and counted as then."""
-        ratelimit.charge(state.buckets, self.limits.of(tenant), model, charged_tokens, arrived_ms)
+        at = state.bucket_time(arrived_ms)
+        ratelimit.charge(state.buckets, self.limits.of(tenant), model, charged_tokens, at)
+        state.charged_at(at)
         state.admitted(band.rank)
 
     def finished(self, tenant: str, state: TenantState, band: Priority, model: str | None, charged_tokens: int,

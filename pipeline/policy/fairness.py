@@ -9,7 +9,7 @@ and down when the request's terminal response is seen; they live in the tenant's
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 from pipeline.models import BANDS, Priority
 
@@ -24,16 +24,23 @@ _NOWHERE = Placement(None)
 
 class FairnessQuotas:
     def __init__(self, caps: dict[str, int], *, floor: Priority = Priority.BACKGROUND,
-                 tenant_caps: dict[str, dict[str, int]] | None = None):
-        """``caps``: band name → most requests one tenant may have outstanding there (0 = no cap)."""
+                 tenant_caps: dict[str, dict[str, int]] | None = None,
+                 lookup: Callable[[str], Mapping[str, int] | None] | None = None):
+        """``caps``: band name → most requests one tenant may have outstanding there (0 = no cap);
+        ``tenant_caps`` (config) and then ``lookup(tenant)`` (the registry) replace it band by band."""
         self.caps = dict(caps)
         self.floor = floor
         self.tenant_caps = {t: dict(c) for t, c in (tenant_caps or {}).items()}
+        self.lookup = lookup
 
     def cap(self, tenant: str, band: Priority) -> int:
         own = self.tenant_caps.get(tenant)
         if own is not None and band.value in own:
             return int(own[band.value])
+        if self.lookup is not None:
+            registered = self.lookup(tenant)
+            if registered and band.value in registered:
+                return int(registered[band.value])
         return int(self.caps.get(band.value, 0))
 
     def place(self, tenant: str, band: Priority, outstanding: Sequence[int]) -> Placement:

@@ -20,6 +20,20 @@ class TenantState:
     buckets: dict[str, list] = field(default_factory=dict)
     outstanding: list[int] = field(default_factory=lambda: [0] * len(BANDS))
     applied: dict[str, int] = field(default_factory=dict)
+    #: The latest arrival time the buckets were charged at (epoch ms).
+    clock: int = 0
+
+    def bucket_time(self, arrived_ms: int) -> int:
+        """The moment the buckets judge a request that arrived at ``arrived_ms``: its arrival, or
+        the latest arrival they were charged at if that is later. A tenant's requests sit in five
+        band topics and are not read in arrival order (CRITICAL first; after a failover, a band's
+        backlog behind another band's fresh requests): an older one must meet the buckets as they
+        are now, not as if the charges after its arrival were debts it ran up itself."""
+        return arrived_ms if arrived_ms > self.clock else self.clock
+
+    def charged_at(self, at_ms: int) -> None:
+        if at_ms > self.clock:
+            self.clock = at_ms
 
     def holds(self, source: str, offset: int) -> bool:
         """Whether the record at ``offset`` of ``source`` is applied already."""
@@ -41,7 +55,7 @@ class TenantState:
         return not any(self.outstanding) and ratelimit.idle(self.buckets, now_ms)
 
     def to_value(self) -> dict:
-        return {"b": self.buckets, "o": self.outstanding, "a": self.applied}
+        return {"b": self.buckets, "o": self.outstanding, "a": self.applied, "c": self.clock}
 
     @classmethod
     def from_value(cls, value) -> "TenantState":
@@ -52,4 +66,5 @@ class TenantState:
         buckets = {str(k): [float(v[0]), float(v[1])] for k, v in (value.get("b") or {}).items()
                    if isinstance(v, (list, tuple)) and len(v) == 2}
         applied = {str(k): int(v) for k, v in (value.get("a") or {}).items() if isinstance(v, int)}
-        return cls(buckets, outstanding, applied)
+        clock = value.get("c")
+        return cls(buckets, outstanding, applied, int(clock) if isinstance(clock, (int, float)) else 0)

@@ -87,12 +87,12 @@ def _stop_problem(stop: list) -> str | None:
 
 
 @functools.lru_cache(maxsize=16)
-def _own_topics(prefix: str) -> frozenset[str]:
+def own_topics(prefix: str) -> frozenset[str]:
     """The pipeline's topics under ``prefix`` that no answer may be written to: its inputs
-    (requests, admitted requests, cancellations), its dead letters and the shared chunks.
-    The responses topic is the default answer topic, so naming it is fine."""
+    (requests, admitted requests, cancellations), its dead letters, the shared chunks and the
+    receipts. The responses topic is the default answer topic, so naming it is fine."""
     t = TopicSettings(prefix=prefix)
-    return frozenset((*t.request_topics, *t.dispatch_topics, t.dlq, t.cancellations, t.chunks))
+    return frozenset((*t.request_topics, *t.dispatch_topics, t.dlq, t.cancellations, t.chunks, t.receipts))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -104,7 +104,7 @@ def _reply_to_problem(reply_to: str, prefix: str | None) -> str | None:
     if prefix is not None:
         if not reply_to.startswith(prefix + "."):
             return f"invalid_request: reply_to must be a topic under the pipeline's prefix ({prefix}.*)"
-        if reply_to in _own_topics(prefix):
+        if reply_to in own_topics(prefix):
             return ("invalid_request: reply_to names one of the pipeline's own request, dispatch, dead-letter, "
                     "cancellation or chunk topics")
     return None

@@ -50,11 +50,7 @@ def running_gateway(settings, tmp_path: Path, *, requests_per_window: int = 1000
     config.write_text(toml if toml is not None else GATEWAY_TOML.format(requests=requests_per_window))
     app_id = app_id or f"{settings.topics.prefix}-gateway"
     log_path = tmp_path / f"gateway-{time.monotonic_ns()}.log"
-    env = {**os.environ, "LLMQ_CONFIG": str(config), "LLMQ_BOOTSTRAP": settings.kafka.bootstrap,
-           "LLMQ_TOPICS__PREFIX": settings.topics.prefix, "LLMQ_WORKER__GROUP_ID": settings.worker.group_id,
-           "LLMQ_TOPICS__REQUEST_PARTITIONS": str(settings.topics.request_partitions),
-           "LLMQ_TOPICS__RESPONSE_PARTITIONS": str(settings.topics.response_partitions),
-           "LLMQ_TOPICS__DISPATCH_PARTITIONS": str(settings.topics.dispatch_partitions), **(env or {})}
+    env = {**os.environ, "LLMQ_CONFIG": str(config), **settings.topology_env(), **(env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "gateway",
                                  "--app-id", app_id], env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -14,7 +14,7 @@ from pipeline.gateway.completions import Completions
 from pipeline.gateway.intake import Intake
 from pipeline.gateway.partitions import Ownership
 from pipeline.gateway.seen import RecentIds
-from pipeline.gateway.tenants import TenantStates
+from pipeline.gateway.tenant_states import TenantStates
 from pipeline.models import BANDS, Priority, Request
 from pipeline.observability.metrics import GatewayMetrics
 from pipeline.policy.admission import Admission, DegradePolicy, RateLimits
@@ -94,7 +94,8 @@ def gw():
     common = dict(codec=codec, admission=admission, tenants=tenants, seen=seen, checkpoint=checkpoint,
                   metrics=metrics)
     intake = Intake(wire="single-object", topics=settings.topics, **common)
-    completions = Completions(**common)
+    completions = Completions(partitions=settings.topics.request_partitions, receipts=settings.topics.receipts,
+                              **common)
     offsets = iter(range(10**9))
 
     def request_event(req: Request, offset: int | None = None, partition: int = 0):

@@ -21,15 +21,15 @@ def handled(gw, *events):
     return [(topic, value) for topic, value, *_ in gw.outputs.sent_before]
 
 
-def test_outputs_leave_at_once_and_the_request_is_acked_once_they_are_delivered_and_its_state_written(gw):
+def test_outputs_leave_once_the_decision_is_written_and_the_request_is_acked_once_they_are_delivered(gw):
     event = gw.request_event(Request.new("acme", "hello", timeout_ms=600_000))
     gw.intake.handle(event)
-    assert gw.log == [("sent", gw.settings.topics.dispatch_topic(Priority.NORMAL))] and gw.tenants_table == {}
-    gw.outputs.deliver()
-    assert not event.acked  # delivered, but its decision and state are not written yet
+    assert gw.log == [] and gw.tenants_table == {}  # nothing leaves before its decision is durable
     run(gw.checkpoint.round())
-    assert gw.log[-1] == "changelogs flushed"
+    assert gw.log == ["changelogs flushed", ("sent", gw.settings.topics.dispatch_topic(Priority.NORMAL))]
     assert list(gw.tenants_table) == [b"acme"] and len(gw.seen_table) == 1
+    assert not event.acked  # written, but its output not delivered yet
+    gw.outputs.deliver()
     assert event.acked
 
 
@@ -71,6 +71,37 @@ def test_a_response_read_again_is_counted_once(gw):
     gw.completions.handle(Event(gw.settings.topics.responses, 0, 42, value))
     run(gw.checkpoint.round())
     assert gw.tenants.get("acme").outstanding == [0] * 5
+
+
+def test_a_receipt_frees_the_quota_of_an_answer_sent_elsewhere_and_counts_once_with_it(gw):
+    outstanding = []
+    for name in ("only-receipt", "both"):
+        req = Request.new("acme", name, timeout_ms=600_000)
+        [(_, dispatched)] = handled(gw, gw.request_event(req))
+        d = gw.codec.decode_request(dispatched)
+        resp = Response.for_request(d, Status.COMPLETED, admitted_at=d.admitted_at,
+                                    served_priority=d.effective_priority, started_at=d.admitted_at + 1)
+        value = gw.codec.encode_response(resp)
+        gw.completions.handle(Event(gw.settings.topics.receipts, 0, 7 if name == "both" else 3, value))
+        if name == "both":  # its answer reached the responses topic too (a reply topic that vanished)
+            gw.completions.handle(Event(gw.settings.topics.responses, 0, 9, value))
+        run(gw.checkpoint.round())
+        outstanding.append(list(gw.tenants.get("acme").outstanding))
+    assert outstanding == [[0] * 5, [0] * 5]
+    finished = gw.completions.metrics.finished.labels(Priority.NORMAL.value, "completed")
+    assert finished.value == 2  # one per request, whichever copies arrived
+
+
+def test_an_answer_outside_its_tenants_partition_is_left_to_its_receipt(gw):
+    req = Request.new("acme", "x", timeout_ms=600_000)  # acme lives in partition 0
+    [(_, dispatched)] = handled(gw, gw.request_event(req))
+    d = gw.codec.decode_request(dispatched)
+    value = gw.codec.encode_response(Response.for_request(
+        d, Status.COMPLETED, admitted_at=d.admitted_at, served_priority=d.effective_priority, output="ok"))
+    gw.completions.handle(Event(gw.settings.topics.responses, 3, 5, value))  # a client's reply partition
+    assert gw.tenants.get("acme").outstanding[Priority.NORMAL.rank] == 1
+    gw.completions.handle(Event(gw.settings.topics.receipts, 0, 5, value))
+    assert gw.tenants.get("acme").outstanding[Priority.NORMAL.rank] == 0
 
 
 def test_a_tenant_sending_many_requests_costs_one_state_record_per_round(gw):

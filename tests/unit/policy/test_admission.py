@@ -119,3 +119,17 @@ def test_a_finished_request_frees_its_quota_and_refunds_its_unused_tokens():
     adm.finished("acme", state, d.band, d.model, d.charged_tokens, 50, NOW)
     assert state.outstanding == [0] * 5
     assert adm.decide(req(max_tokens=900), NOW, state).action is Action.DISPATCH
+
+
+def test_a_request_read_after_later_ones_meets_the_buckets_as_they_are_not_their_debts():
+    # Five band topics are not read in arrival order: after a failover, a band's backlog comes
+    # behind another band's fresh requests. 100 requests a second, burst 100: room for all of them.
+    adm, state = make(limits=[Limit("s", 1_000, requests=100, burst=100)]), TenantState()
+    fresh = [adm.decide(req(prompt=f"f{i}"), NOW, state, arrived_ms=NOW) for i in range(50)]
+    backlog = [adm.decide(req(prompt=f"b{i}", priority=Priority.LOW), NOW, state, arrived_ms=NOW - 10_000 + i * 100)
+               for i in range(40)]
+    assert all(d.action is Action.DISPATCH for d in fresh + backlog)
+    # And the limit still holds at the latest arrival: 100 within the burst, then refused.
+    more = [adm.decide(req(prompt=f"m{i}"), NOW, state, arrived_ms=NOW - 5_000) for i in range(20)]
+    assert [d.action for d in more].count(Action.DISPATCH) == 10
+    assert state.clock == NOW
