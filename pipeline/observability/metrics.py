@@ -26,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import start_http_server
 
 from pipeline.errors import ConfigError
+from pipeline.observability.fairness import NOT_DEMAND, FairnessWindow
 
 # `x_created` series double every counter and histogram and no dashboard uses them.
 disable_created_metrics()
@@ -36,6 +37,10 @@ OUTCOMES = ("admitted", "completed", "rejected", "expired", "failed", "cancelled
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 #: Model calls: tens of milliseconds to minutes.
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+#: Time to a stream's first token: what a chat user waits before text appears.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2.5, 5, 10, 30, 60, 300)
+#: Gaps between a stream's tokens: milliseconds, longer under a full batch.
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
 
 
 def reason_code(reason: str | None) -> str:
@@ -228,13 +233,25 @@ class WorkerMetrics:
             "llmq_duplicate_requests", "Messages carrying a request id this worker had taken already, by what "
                                        "became of them: dropped (the first still in flight, its answer covers "
                                        "them) or repeated (given the first answer again).", ["action"])
+        self.ttft = Histogram("llmq_time_to_first_token_seconds",
+                              "Streamed requests: time from a request's creation to its first token published "
+                              "as a chunk (its queue wait included).", ["priority"], TTFT_BUCKETS)
+        self.inter_token = Histogram("llmq_inter_token_seconds",
+                                     "Streamed requests: time between one chunk of text and the next.", ["priority"],
+                                     TOKEN_GAP_BUCKETS)
         self.registry.register(_Collector([
             self.requests, self.rejections, self.queue_wait, self.duration, self.tenant_wait, self.inflight,
             self.tokens, self.last_commit, self.rebalances, self.dead_letters, self.up, self.preemptions,
-            self.duplicates]))
+            self.duplicates, self.ttft, self.inter_token]))
         self.inflight_child = self.inflight.labels(pool)
         self.inflight_child.set(0)
         self._band_series: dict[str, tuple] = {}
+
+    def first_token(self, priority: str, seconds: float) -> None:
+        self.ttft.labels(priority).observe(seconds if seconds > 0 else 0.0)
+
+    def next_token(self, priority: str, seconds: float) -> None:
+        self.inter_token.labels(priority).observe(seconds if seconds > 0 else 0.0)
 
     def outcome(self, priority: str, outcome: str) -> None:
         self.requests.labels(priority, outcome).value += 1
@@ -295,7 +312,16 @@ class WorkerMetrics:
 class GatewayMetrics:
     """What the gateway exports (same ``llmq_requests_total``/``llmq_rejections_total`` names as
     the workers, so one dashboard shows both; the gateway's outcomes are admitted, rejected,
-    expired, cancelled, duplicate, dead_lettered)."""
+    expired, cancelled, duplicate, redelivered, dead_lettered).
+
+    Labels ``priority`` are the band a request asked for, except on the queue gauges, where
+    they name the band (dispatch topic) itself. The queue gauges mirror ``GET /v1/queue``
+    (:meth:`observe_queues`); ``llmq_gateway_fairness_jain`` is defined in
+    :mod:`pipeline.observability.fairness` (:meth:`observe_fairness`, :meth:`refresh`).
+    """
+
+    #: Seconds of decisions behind the fairness index.
+    FAIRNESS_WINDOW_S = 60.0
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
@@ -311,14 +337,80 @@ class GatewayMetrics:
                                      ["requested", "effective"])
         self.finished = Counter("llmq_gateway_finished", "Terminal responses seen for dispatched requests.",
                                 ["priority", "status"])
-        self.depth = Gauge("llmq_gateway_queue_depth", "Admitted requests not yet finished, per band.", ["priority"])
-        self.drain = Gauge("llmq_gateway_drain_rate", "Completions per second (10 s window).")
-        self.load = Gauge("llmq_gateway_load", "Arrival rate over the best drain rate seen (1 = saturated).")
-        self.registry.register(_Collector([self.requests, self.rejections, self.dead_letters, self.degraded,
-                                           self.reprioritised, self.finished, self.depth, self.drain, self.load]))
+        self.depth = Gauge("llmq_gateway_queue_depth",
+                           "Requests in the band's dispatch topic not yet committed by the workers, plus those this "
+                           "gateway admitted since it last read the offsets.", ["priority"])
+        self.cap = Gauge("llmq_gateway_queue_cap",
+                         "Most requests a band may hold before queue_full (gateway.queue_caps; 0 = unbounded).",
+                         ["priority"])
+        self.eta = Gauge("llmq_gateway_eta_seconds",
+                         "Estimated wait of a request admitted now, behind this band and the higher ones, at the "
+                         "current drain rate (+Inf: work waits and nothing drains).", ["priority"])
+        self.drain = Gauge("llmq_gateway_drain_rate", "Completions per second (smoothed over a few seconds).")
+        self.arrival = Gauge("llmq_gateway_arrival_rate",
+                             "Requests per second written to the dispatch topics (smoothed over a few seconds).")
+        self.load = _BandGauge("llmq_gateway_load",
+                               "How long work in the band waits, over gateway.target_queue_ms (1 = the target; at "
+                               "most 10).", ["priority"])
+        self.fairness = Gauge("llmq_gateway_fairness_jain",
+                              "Jain's index of the tenants' admitted/requested shares in the band over the last "
+                              "minute (1 = even-handed, 1/n = one of n tenants served).", ["priority"])
+        self.fairness_tenants = Gauge("llmq_gateway_fairness_tenants",
+                                      "Tenants behind llmq_gateway_fairness_jain (the index is at least 1/n).",
+                                      ["priority"])
+        self._fair: dict[str, FairnessWindow] = {}
+        self.registry.register(_Collector([
+            self.requests, self.rejections, self.dead_letters, self.degraded, self.reprioritised, self.finished,
+            self.depth, self.cap, self.eta, self.drain, self.arrival, self.load, self.fairness,
+            self.fairness_tenants]))
 
     def outcome(self, priority: str, outcome: str, n: int = 1) -> None:
         self.requests.labels(priority, outcome).value += n
+
+    def observe_queues(self, snapshot: dict) -> None:
+        """The queue gauges from ``QueueModel.snapshot()`` (what ``GET /v1/queue`` shows)."""
+        for band, b in snapshot["bands"].items():
+            self.depth.labels(band).set(b["depth"])
+            self.cap.labels(band).set(b["cap"])
+            eta = b["eta_ms"]
+            self.eta.labels(band).set(math.inf if eta is None else eta / 1000.0)
+            self.load.labels(band).set(b["load"])
+        self.drain.labels().set(snapshot["drain_rate_per_s"])
+        self.arrival.labels().set(snapshot["arrival_rate_per_s"])
+
+    def observe_fairness(self, priority: str, tenant: str, admitted: bool, reason: str | None = None) -> None:
+        """One admission decision on ``tenant``'s request of band ``priority``: admitted, or refused
+        with ``reason`` (a refusal whose reason code is no demand, e.g. invalid_request, is ignored)."""
+        if not admitted and reason is not None and reason_code(reason) in NOT_DEMAND:
+            return
+        window = self._fair.get(priority)
+        if window is None:
+            window = self._fair[priority] = FairnessWindow(self.FAIRNESS_WINDOW_S)
+        window.observe(tenant, admitted)
+
+    def refresh(self, now_s: float) -> None:
+        """Move the fairness windows to ``now_s`` (monotonic seconds) and set their gauges; a band
+        without demand in the window has no index (its series disappear)."""
+        for band, window in self._fair.items():
+            window.advance(now_s)
+            index = window.index()
+            if index is None:
+                self.fairness.children.pop((band,), None)
+                self.fairness_tenants.children.pop((band,), None)
+            else:
+                self.fairness.labels(band).set(index)
+                self.fairness_tenants.labels(band).set(window.tenants)
+
+
+class _BandGauge(Gauge):
+    """A per-band gauge that also takes the unlabelled ``labels()`` the gateway called while it had
+    one load for every band: that value goes nowhere, so the gateway keeps running until it calls
+    :meth:`GatewayMetrics.observe_queues` instead (then this class can go)."""
+
+    def labels(self, *values: str):
+        if not values:
+            return _Child()
+        return super().labels(*values)
 
 
 def serve(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1"):

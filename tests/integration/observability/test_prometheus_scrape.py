@@ -1,4 +1,4 @@
-"""A real Prometheus server scrapes a worker and the lag exporter while a load runs."""
+"""A real Prometheus server scrapes a worker, the lag exporter and a gateway while a load runs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,12 @@ from pipeline.client import LlmqClient
 from pipeline.models import Priority, Request, Status
 from pipeline.observability.lag import LagCollector, LagReader, build_registry
 from pipeline.observability.metrics import serve
-from tests.integration.harness import free_port, running_worker
+from pipeline.serde import Codec
+from tests.integration.gateway.test_gateway import running_gateway
+from tests.integration.harness import free_port, read_topic, running_worker
+
+ROOT = Path(__file__).resolve().parents[3]
+RULE_FILES = [ROOT / "deploy" / "prometheus" / "llmq-recording.yml", ROOT / "deploy" / "prometheus" / "llmq-alerts.yml"]
 
 def _find_prometheus() -> str | None:
     # On PATH (make test puts the cached copy there), else where `make setup` unpacked it.
@@ -30,17 +36,19 @@ PROMETHEUS = _find_prometheus()
 
 @pytest.fixture
 def prometheus(tmp_path):
-    """Start Prometheus on a free loopback port; yields (start(targets) -> query function)."""
+    """Start Prometheus on a free loopback port; yields (start(targets, rule_files) -> query function)."""
     if PROMETHEUS is None:
         pytest.fail("the prometheus binary is missing: `make setup` installs Debian's prometheus package")
     procs = []
 
-    def start(targets: dict[str, int]):
+    def start(targets: dict[str, int], rule_files=()):
         port = free_port()
         jobs = "\n".join(f"  - job_name: {job}\n    static_configs:\n      - targets: ['127.0.0.1:{p}']"
                          for job, p in targets.items())
+        rules = "".join(f"\n  - {json.dumps(str(f))}" for f in rule_files)
         config = tmp_path / "prometheus.yml"
-        config.write_text(f"global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n{jobs}\n")
+        config.write_text(f"global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                          f"rule_files:{rules or ' []'}\nscrape_configs:\n{jobs}\n")
         proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                                  f"--web.listen-address=127.0.0.1:{port}"],
                                 stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
@@ -135,3 +143,61 @@ def test_prometheus_sees_lag_waits_and_rejection_ratio_as_counted(settings, prom
         _eventually(lag_matches_admin, timeout=30)
     finally:
         collector.stop()
+
+
+def test_prometheus_scrapes_the_gateway_and_the_rules_read_its_series(settings, prometheus, tmp_path):
+    """The gateway process as deployed, its web port scraped: admissions and refusals as the clients saw them,
+    its band gauges, and the recording rules over its series (the degraded share is the gateway's)."""
+    settings.worker.source = "dispatch"
+    gateway_port = free_port()
+    reqs = []
+    for i in range(60):
+        band = list(Priority)[i % 5]
+        # Every sixth is invalid (max_tokens 0): refused by the gateway, invalid_request.
+        reqs.append(Request.new(f"tenant-{i % 4}", f"through the gateway {i}", priority=band, timeout_ms=600_000,
+                                max_tokens=0 if i % 6 == 5 else 8))
+    with running_gateway(settings, tmp_path, env={"LLMQ_GATEWAY__WEB_PORT": str(gateway_port)}), \
+            running_worker(settings) as worker:
+        worker_port = free_port()
+        serve(worker.metrics.registry, worker_port)
+        query = prometheus({"llmq-gateway": gateway_port, "llmq-workers": worker_port}, RULE_FILES)
+        with LlmqClient(settings, listen=False) as client:
+            # In three waves a few scrapes apart: a counter's first sample is no increase to rate(), so
+            # the admissions after it make the rates the recording rules divide by.
+            for wave in range(3):
+                for fut in [client.submit_nowait(req, track=False) for req in reqs[wave * 20:(wave + 1) * 20]]:
+                    fut.result(10)
+                time.sleep(2.5)
+        # The answers as written, whichever partition each went to.
+        ids = {r.request_id for r in reqs}
+        codec = Codec.default()
+
+        def terminal(messages):
+            return {r.request_id: r for r in map(codec.decode_response, (m.value() for m in messages))
+                    if r.request_id in ids and r.status.is_terminal}
+
+        answers = terminal(read_topic(settings.kafka.bootstrap, settings.topics.responses, timeout=60,
+                                      until=lambda ms: len(terminal(ms)) == len(ids)))
+        completed = sum(a.status is Status.COMPLETED for a in answers.values())
+        refused = [a for a in answers.values() if a.status is Status.REJECTED]
+        assert completed == 50 and len(refused) == 10
+        assert all(a.reason.startswith("invalid_request") for a in refused)
+
+        def gateway_series():
+            assert _scalar(query('up{job="llmq-gateway"}')) == 1
+            assert _scalar(query('sum(llmq_requests_total{job="llmq-gateway",outcome="admitted"})')) == completed
+            assert _scalar(query('sum(llmq_rejections_total{job="llmq-gateway",reason="invalid_request"})')) == 10
+            for band in Priority:
+                admitted = query(f'llmq_requests_total{{job="llmq-gateway",outcome="admitted",priority="{band.value}"}}')
+                assert _scalar(admitted) == 10, band
+            # A gateway gauge per band, from its 0.2-s timer.
+            depths = query('llmq_gateway_queue_depth{job="llmq-gateway"}')
+            assert {r["metric"]["priority"] for r in depths} == {p.value for p in Priority}
+            assert all(float(r["value"][1]) >= 0 for r in depths)
+            assert _scalar(query('llmq_gateway_drain_rate{job="llmq-gateway"}')) >= 0
+            # The recording rule over the gateway's series: nothing was degraded, an explicit 0 per band.
+            shares = query("llmq:degraded_share:ratio_rate5m")
+            assert {r["metric"]["priority"] for r in shares} == {p.value for p in Priority}
+            assert all(float(r["value"][1]) == 0 for r in shares), shares
+
+        _eventually(gateway_series, timeout=30)
