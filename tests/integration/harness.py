@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import uuid
 
+from pipeline.broker import free_port  # noqa: F401 (the tests import it from here)
 from pipeline.config import Settings
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_settings(bootstrap: str, **worker) -> Settings:

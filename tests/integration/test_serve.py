@@ -59,12 +59,7 @@ def registry_file(path: Path, signed_secret_env: str) -> Path:
 
 
 def _env(settings, config: Path, extra: dict | None = None) -> dict:
-    return {**os.environ, "LLMQ_CONFIG": str(config), "LLMQ_BOOTSTRAP": settings.kafka.bootstrap,
-            "LLMQ_TOPICS__PREFIX": settings.topics.prefix,
-            "LLMQ_TOPICS__REQUEST_PARTITIONS": str(settings.topics.request_partitions),
-            "LLMQ_TOPICS__RESPONSE_PARTITIONS": str(settings.topics.response_partitions),
-            "LLMQ_TOPICS__CHUNK_PARTITIONS": str(settings.topics.chunk_partitions),
-            "LLMQ_TOPICS__DISPATCH_PARTITIONS": str(settings.topics.dispatch_partitions), **(extra or {})}
+    return {**os.environ, "LLMQ_CONFIG": str(config), **settings.topology_env(), **(extra or {})}
 
 
 @contextlib.contextmanager
@@ -109,7 +104,6 @@ def stack(bootstrap, tmp_path_factory):
     tenants of its own). Serve owns reply partition 0 of three."""
     tmp_path = tmp_path_factory.mktemp("serve")
     s = make_settings(bootstrap)
-    s.topics.chunk_partitions = s.topics.response_partitions
     s.worker.source = "dispatch"
     create_pipeline_topics(s)
     secret_env = "LLMQ_TEST_SIGNED_SECRET"
@@ -360,7 +354,6 @@ def test_serve_stops_gracefully_finishing_what_is_in_flight(stack):
 def isolated(bootstrap, tmp_path):
     """Three response partitions, a gateway and a worker: answers go to the partition a request names."""
     s = make_settings(bootstrap)
-    s.topics.chunk_partitions = s.topics.response_partitions
     s.worker.source = "dispatch"
     create_pipeline_topics(s)
     with running_gateway(s, tmp_path), running_worker(s):
