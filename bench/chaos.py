@@ -29,7 +29,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition  # noqa: E402
 
-from pipeline.broker import LocalBroker  # noqa: E402
+from pipeline.broker import LocalBroker, free_port  # noqa: E402
 from pipeline.config import Settings  # noqa: E402
 from pipeline.models import Priority, Request  # noqa: E402
 from pipeline.serde import Codec  # noqa: E402
@@ -59,12 +58,6 @@ MAX_POLL_INTERVAL_MS = 10_000
 
 def _log(msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the load ---------------------------------------------------------------------------------
@@ -363,7 +356,7 @@ def main(argv=None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="llmq-chaos-")
     log_dir = Path(tmp.name) / "logs"
     log_dir.mkdir()
-    broker = LocalBroker(_free_port(), Path(tmp.name) / "kafka", kafka_version=base.broker.kafka_version,
+    broker = LocalBroker(free_port(), Path(tmp.name) / "kafka", kafka_version=base.broker.kafka_version,
                          heap="1g", progress=_log)
     _log(f"starting a chaos broker at {broker.bootstrap} (data in {broker.data_dir})")
     broker.up()

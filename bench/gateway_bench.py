@@ -96,7 +96,7 @@ class GatewayProcess:
         cfg = tmp / f"gw-{uuid.uuid4().hex[:6]}.toml"
         cfg.write_text(config)
         self.log = tmp / f"{cfg.stem}.log"
-        env = {**os.environ, "LLMQ_CONFIG": str(cfg), **_topic_env(settings)}
+        env = {**os.environ, "LLMQ_CONFIG": str(cfg), **settings.topology_env()}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "gateway",
                                           "--app-id", f"{settings.topics.prefix}-gw"], env=env, stdout=log,
@@ -126,15 +126,6 @@ def _terminate(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
-def _topic_env(settings: Settings) -> dict[str, str]:
-    t = settings.topics
-    return {"LLMQ_BOOTSTRAP": settings.kafka.bootstrap, "LLMQ_TOPICS__PREFIX": t.prefix,
-            "LLMQ_TOPICS__DISPATCH_PARTITIONS": str(t.dispatch_partitions),
-            "LLMQ_TOPICS__REQUEST_PARTITIONS": str(t.request_partitions),
-            "LLMQ_TOPICS__RESPONSE_PARTITIONS": str(t.response_partitions),
-            "LLMQ_WORKER__GROUP_ID": settings.worker.group_id}
-
-
 class WorkerProcess:
     """``llmq worker`` on the dispatch topics, as deployed: its own process, so that the load
     generator and the response reader in the benchmark's process neither share its interpreter
@@ -143,7 +134,7 @@ class WorkerProcess:
     def __init__(self, settings: Settings, tmp: Path, *, inflight: int, latency_ms: float = 0,
                  env: dict[str, str] | None = None):
         self.log = tmp / f"worker-{uuid.uuid4().hex[:6]}.log"
-        env = {**os.environ, **_topic_env(settings), "LLMQ_WORKER__SOURCE": "dispatch",
+        env = {**os.environ, **settings.topology_env(), "LLMQ_WORKER__SOURCE": "dispatch",
                "LLMQ_WORKER__GROUP_ID": settings.worker.group_id, "LLMQ_WORKER__METRICS_PORT": "0",
                "LLMQ_WORKER__MAX_INFLIGHT": str(inflight), "LLMQ_WORKER__SIM_LATENCY_MS": str(latency_ms),
                **(env or {})}

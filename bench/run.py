@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import re
-import socket
 import signal
 import sys
 import tempfile
@@ -33,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from confluent_kafka import Consumer, KafkaException, Producer  # noqa: E402
 
-from pipeline.broker import LocalBroker  # noqa: E402
+from pipeline.broker import LocalBroker, free_port  # noqa: E402
 from pipeline.config import Settings  # noqa: E402
 from pipeline.models import Priority, Request  # noqa: E402
 from pipeline.runtime import freeze_long_lived  # noqa: E402
@@ -55,12 +54,6 @@ RESULTS = ROOT / "bench" / "results.json"
 BENCH_BROKER_JVM_OPTIONS = os.environ.get("LLMQ_BENCH_BROKER_JVM_OPTIONS", "")
 SCALING_MODEL_MS = 40
 SCALING_INFLIGHT = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _log(msg: str) -> None:
@@ -316,7 +309,7 @@ def main(argv=None) -> int:
     if not bootstrap:
         jvm_options = BENCH_BROKER_JVM_OPTIONS
         gc_log = Path(tmp.name) / "broker-gc.log"
-        broker = LocalBroker(_free_port(), Path(tmp.name) / "kafka", kafka_version=base.broker.kafka_version,
+        broker = LocalBroker(free_port(), Path(tmp.name) / "kafka", kafka_version=base.broker.kafka_version,
                              heap="1g", progress=_log, jvm_options=f"{jvm_options} -Xlog:gc:file={gc_log}:time".strip())
         _log(f"starting a benchmark broker at {broker.bootstrap} (JVM options: {jvm_options or 'none'})")
         broker.up()

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gateway_bench as gb  # noqa: E402
 from machine import cpu_times, machine_load  # noqa: E402
 
+from pipeline.broker import LocalBroker, free_port  # noqa: E402
 from pipeline.config import Settings  # noqa: E402
 from pipeline.models import Request  # noqa: E402
 from pipeline.tenants.keys import hash_key  # noqa: E402
@@ -62,11 +63,11 @@ def _registry(path: Path) -> Path:
 
 class ServeProcess:
     def __init__(self, settings: Settings, tmp: Path, registry: Path, reply_partition: int, linger_ms: int):
-        self.port = gb_free_port()
+        self.port = free_port()
         cfg = tmp / f"serve-{uuid.uuid4().hex[:6]}.toml"
         cfg.write_text(f'[tenants]\nfile = "{registry}"\n\n[serve]\nproducer_linger_ms = {linger_ms}\n')
         self.log = tmp / f"{cfg.stem}.log"
-        env = {**os.environ, "LLMQ_CONFIG": str(cfg), **gb._topic_env(settings)}
+        env = {**os.environ, "LLMQ_CONFIG": str(cfg), **settings.topology_env()}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(self.port),
                                           "--reply-partitions", str(reply_partition)], env=env, stdout=log,
@@ -88,14 +89,6 @@ class ServeProcess:
 
     def stop(self) -> None:
         gb._terminate(self.proc)
-
-
-def gb_free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _schedule(rate: int, seconds: float, tag: str):
@@ -230,8 +223,6 @@ def serve_overhead(settings: Settings, args, *, rate: int = RATE, seconds: float
 def main(argv=None) -> int:
     import argparse
 
-    from pipeline.broker import LocalBroker
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=1)
@@ -241,7 +232,7 @@ def main(argv=None) -> int:
     broker = None
     with tempfile.TemporaryDirectory(prefix="llmq-serve-bench-") as tmp:
         if not bootstrap:
-            broker = LocalBroker(gb_free_port(), Path(tmp) / "kafka", heap="1g", progress=gb._log)
+            broker = LocalBroker(free_port(), Path(tmp) / "kafka", heap="1g", progress=gb._log)
             broker.up()
             bootstrap = broker.bootstrap
         try:

@@ -33,9 +33,10 @@ def test_a_fairness_round_with_steal_on_either_side_is_set_aside_and_made_again(
     assert result["flood_runs_steal_pct"] == [0.2] + [0.1] * 6
 
 
-def test_priority_isolation_keeps_five_quiet_rounds_and_its_baselines_once(bench_run, monkeypatch):
+def test_priority_isolation_keeps_three_quiet_rounds_each_with_its_fifo_baseline(bench_run, monkeypatch):
     gateway_bench = importlib.import_module("gateway_bench")
-    _stand_ins(monkeypatch, gateway_bench, [3.0, 0.1] + [0.1] * 10)
+    # A round is four parts (alone, flooded, FIFO alone, FIFO flooded); the first round's first was stolen from.
+    _stand_ins(monkeypatch, gateway_bench, [3.0, 0.1, 0.1, 0.1] + [0.1] * 12)
     calls = []
 
     def critical_waits(settings, factor, capacity, seconds, *, fifo, gateway, tmp):
@@ -44,10 +45,11 @@ def test_priority_isolation_keeps_five_quiet_rounds_and_its_baselines_once(bench
 
     monkeypatch.setattr(gateway_bench, "_critical_waits", critical_waits)
     result = gateway_bench.priority_isolation(None, None)
-    assert result["alone_runs_ms"] == [30, 50, 70, 90, 110] and result["flood_runs_ms"] == [40, 60, 80, 100, 120]
-    assert result["set_aside_for_steal"] == [{"alone": 10, "flood": 20, "alone_steal_pct": 3.0, "flood_steal_pct": 0.1}]
-    assert calls[12:] == [(0, True, False), (3, True, False), (0, False, False), (3, False, False)]
-    assert result["baseline_fifo_p99_alone_ms"] == 130
+    assert result["alone_runs_ms"] == [50, 90, 130] and result["flood_runs_ms"] == [60, 100, 140]
+    assert result["set_aside_for_steal"] == [{"alone": 10, "flood": 20, "alone_steal_pct": 3.0, "flood_steal_pct": 3.0}]
+    assert calls[4:8] == [(0, False, True), (3, False, True), (0, True, True), (3, True, True)]
+    assert calls[16:] == [(0, False, False), (3, False, False)]  # the worker-only diagnosis, once
+    assert result["baseline_fifo_p99_alone_ms"] == 110 and result["baseline_fifo_p99_flood_ms"] == 120
 
 
 def test_end_to_end_latency_reports_the_runs_it_set_aside_and_the_median_of_every_run(bench_run, monkeypatch):
