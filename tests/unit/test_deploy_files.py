@@ -32,10 +32,32 @@ def test_compose_services_use_the_llmq_commands_that_exist():
 
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     parser = build_parser()
-    for name in ("topics", "worker"):
+    for name in ("topics", "gateway-1", "gateway-2", "worker", "lag-exporter"):
         command = compose["services"][name]["command"]
         assert command[0] == "llmq"
         parser.parse_args(command[1:])
+
+
+def test_shipped_workers_read_what_the_gateway_admitted():
+    """Compose and Kubernetes run gateways: their workers and KEDA triggers must use the dispatch topics."""
+    from pipeline.cli import build_parser
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"gateway-1", "gateway-2", "worker", "lag-exporter", "prometheus", "grafana"} <= set(services)
+    args = build_parser().parse_args(services["worker"]["command"][1:])
+    assert args.source == "dispatch"
+
+    k8s = ROOT / "deploy" / "k8s"
+    workers = [d for d in yaml.safe_load_all((k8s / "workers.yaml").read_text()) if d and d["kind"] == "Deployment"]
+    assert workers
+    for deployment in workers:
+        env = {e["name"]: e.get("value") for c in deployment["spec"]["template"]["spec"]["containers"]
+               for e in c.get("env", [])}
+        assert env.get("LLMQ_WORKER__SOURCE") == "dispatch", deployment["metadata"]["name"]
+    triggers = [t["metadata"]["topic"] for d in yaml.safe_load_all((k8s / "keda-scaledobjects.yaml").read_text())
+                if d for t in d["spec"]["triggers"]]
+    assert triggers and all(t.startswith("llm.dispatch.") for t in triggers), triggers
 
 
 def test_the_k8s_gateway_is_a_static_member_named_after_its_pod():
