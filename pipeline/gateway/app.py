@@ -39,6 +39,7 @@ from pipeline.gateway.depths import DispatchDepths, Reading
 from pipeline.gateway.intake import Intake
 from pipeline.gateway.outputs import Outputs
 from pipeline.gateway.partitions import Ownership, partitioner
+from pipeline.gateway.positions import ReadPositions, committed_or_start
 from pipeline.gateway.seen import RecentIds
 from pipeline.gateway.tenant_states import TenantStates
 from pipeline.models import BANDS, Priority, now_ms
@@ -115,6 +116,7 @@ class Gateway:
         self.seen_table = self.app.Table("seen", default=None, **table)
 
         self.ownership = Ownership(t.request_partitions)
+        self.positions = ReadPositions(committed_or_start(settings, app_id))
         self.tenants = TenantStates(self.tenants_table)
         self.seen = RecentIds(self.seen_table, self.ownership, g.dedupe_horizon_ms)
         caps = g.band_ints("queue_caps")
@@ -161,6 +163,11 @@ class Gateway:
             @app.agent(topic, name=f"admit-{band.value.lower()}")
             async def admit(stream):
                 async for event in stream.noack().events():
+                    msg = event.message
+                    back = gateway.positions.check((msg.topic, msg.partition), msg.offset)
+                    if back is not None:  # a stale record after a rebalance (positions.py)
+                        await app.consumer.seek(msg.tp, back)
+                        continue
                     gateway._maybe_reload()
                     gateway.intake.handle(event)
 
@@ -183,6 +190,8 @@ class Gateway:
             request_topics = set(gateway.request_ranks)
             gateway.ownership.assigned({tp.partition for tp in assigned if tp.topic in request_topics})
             gateway._reload = True
+            mine = [(tp.topic, tp.partition) for tp in assigned if tp.topic in request_topics]
+            await asyncio.get_running_loop().run_in_executor(None, gateway.positions.assigned, mine)
 
         app.on_partitions_assigned.connect(assigned)
 
