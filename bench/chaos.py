@@ -11,14 +11,17 @@ of worker processes answer them through a real local broker, and meanwhile injec
   * model calls slower than max.poll.interval.ms (the simulated model honours a per-request
     latency in the request's metadata).
 
-Then read the response topic with isolation.level=read_committed and count, per request id:
-missing, exactly one, more than one. Each delivery mode runs on its own topics and group.
+Then read the response topic with isolation.level=read_committed and count, per request id, its
+answers and their statuses. Every request is valid and the model works, so a request counts as
+delivered only when it is answered COMPLETED; an id also answered anything else is wrongly
+answered. Each delivery mode runs on its own topics and group.
 
     python bench/chaos.py                                  # both modes, N = 20,000
     python bench/chaos.py --requests 2000 --modes exactly-once --seed 7
 
 Writes bench/chaos.json: {"modes": {"at-least-once": {"requests", "lost", "duplicates", ...}, ...}}.
-Exit status 1 when a request was lost in any mode or duplicated in exactly-once mode.
+Exit status 1 when a request was not COMPLETED or wrongly answered in any mode, duplicated in
+exactly-once mode, or a planned fault was not injected.
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ class ResponseCounter(threading.Thread):
         self.settings = settings
         self.counts: collections.Counter[str] = collections.Counter()
         self.statuses: collections.Counter[str] = collections.Counter()
+        #: every status each request id was answered with
+        self.by_id: collections.defaultdict[str, set[str]] = collections.defaultdict(set)
         self._stop_event = threading.Event()
         self.last_progress = time.monotonic()
 
@@ -116,6 +121,7 @@ class ResponseCounter(threading.Thread):
                     resp = codec.decode_response(msg.value())
                     self.counts[resp.request_id] += 1
                     self.statuses[resp.status.value] += 1
+                    self.by_id[resp.request_id].add(resp.status.value)
                     self.last_progress = time.monotonic()
         finally:
             consumer.close()
@@ -293,7 +299,7 @@ def run_mode(mode: str, broker: LocalBroker, args, rng: random.Random, log_dir: 
                      f"{len(pending)} faults to go")
             time.sleep(0.1)
         for _, kind in pending:
-            _log(f"[{mode}] WARNING: {kind} was planned but the run finished first (lower --sim-latency-ms?)")
+            _log(f"[{mode}] FAILED: {kind} was planned but the run finished first (lower --sim-latency-ms?)")
     finally:
         for w in workers:
             w.stopped = True
@@ -316,17 +322,25 @@ def run_mode(mode: str, broker: LocalBroker, args, rng: random.Random, log_dir: 
     final.stop()
     elapsed = time.monotonic() - t0
     counts = final.counts
-    lost = sum(1 for rid in ids if counts[rid] == 0)
+    # Every request is valid and the model works: only COMPLETED is the answer it deserves. An id
+    # never answered is lost; one answered anything else (alone or besides COMPLETED) is wrong.
+    unanswered = sum(1 for rid in ids if counts[rid] == 0)
+    wrong = collections.Counter(status for rid in ids for status in final.by_id.get(rid, ()) if status != "COMPLETED")
+    wrongly_answered = sum(1 for rid in ids if final.by_id.get(rid, set()) - {"COMPLETED"})
+    two_statuses = sum(1 for rid in ids if len(final.by_id.get(rid, ())) > 1)
+    lost = sum(1 for rid in ids if "COMPLETED" not in final.by_id.get(rid, ()))
     duplicates = sum(c - 1 for rid, c in counts.items() if c > 1)
     multi = sum(1 for c in counts.values() if c > 1)
-    result = {"requests": n, "lost": lost, "duplicates": duplicates, "exactly_one": sum(1 for rid in ids if counts[rid] == 1),
+    result = {"requests": n, "lost": lost, "unanswered": unanswered, "wrongly_answered": wrongly_answered,
+              "wrong_statuses": dict(wrong), "ids_with_two_statuses": two_statuses, "duplicates": duplicates, "exactly_one": sum(1 for rid in ids if counts[rid] == 1),
               "more_than_one": multi, "statuses": dict(final.statuses), "elapsed_s": round(elapsed, 1),
               "faults": events, "faults_not_injected": [k for _, k in pending], "unexpected_worker_exits": {w.worker_id: w.unexpected_exits for w in workers},
               "worker_exit_codes": exit_codes, "workers": args.workers, "partitions": args.partitions,
               "sim_latency_ms": args.sim_latency_ms, "max_inflight": args.max_inflight,
               "slow_calls": args.slow_calls, "session_timeout_ms": SESSION_TIMEOUT_MS,
               "max_poll_interval_ms": MAX_POLL_INTERVAL_MS}
-    _log(f"[{mode}] {n:,} requests: lost {lost}, duplicates {duplicates} ({multi} ids answered more than once), "
+    _log(f"[{mode}] {n:,} requests: not COMPLETED {lost} ({unanswered} unanswered, {wrongly_answered} answered "
+         f"{dict(wrong) or 'nothing else'}), duplicates {duplicates} ({multi} ids answered more than once), "
          f"{elapsed:.0f} s")
     return result
 
@@ -380,12 +394,17 @@ def main(argv=None) -> int:
                               "kafka": base.broker.kafka_version}
     OUT.write_text(json.dumps(existing, indent=2) + "\n")
 
-    print(f"\n{'mode':<15} {'requests':>9} {'lost':>6} {'duplicates':>11} {'self-exits':>11} {'seconds':>8}")
+    print(f"\n{'mode':<15} {'requests':>9} {'lost':>6} {'wrong':>6} {'duplicates':>11} {'not injected':>13} "
+          f"{'self-exits':>11} {'seconds':>8}")
     failed = False
     for mode, r in results.items():
         exits = sum(len(v) for v in r["unexpected_worker_exits"].values())
-        print(f"{mode:<15} {r['requests']:>9,} {r['lost']:>6} {r['duplicates']:>11} {exits:>11} {r['elapsed_s']:>8}")
-        failed |= r["lost"] > 0 or (mode == "exactly-once" and r["duplicates"] > 0)
+        print(f"{mode:<15} {r['requests']:>9,} {r['lost']:>6} {r['wrongly_answered']:>6} {r['duplicates']:>11} "
+              f"{len(r['faults_not_injected']):>13} {exits:>11} {r['elapsed_s']:>8}  statuses {r['statuses']}")
+        # A run that could flatter fails: a valid request not COMPLETED, or answered anything else too,
+        # a duplicate in exactly-once mode, or a planned fault that never happened.
+        failed |= (r["lost"] > 0 or r["wrongly_answered"] > 0 or r["faults_not_injected"]
+                   or (mode == "exactly-once" and r["duplicates"] > 0))
     print(f"\n(written to {OUT.relative_to(ROOT)}; seed {seed})")
     return 1 if failed else 0
 

@@ -21,6 +21,7 @@ from confluent_kafka import Producer
 
 from pipeline import dlq
 from pipeline.client import LlmqClient
+from pipeline.partitioning import tenant_partition
 from pipeline.dlq import Filter
 from pipeline.models import Priority, Request, Status
 from pipeline.serde import Codec, SchemaStore
@@ -67,7 +68,10 @@ def test_a_record_of_an_unknown_revision_is_dead_lettered_replayed_after_the_upg
         Codec.default().decode_request(value)
     assert getattr(unknown.value, "reason", None) == "unknown_fingerprint"
 
-    with LlmqClient(settings) as client:
+    # The record names no reply partition (any Kafka client's): its answer is in the tenant's
+    # partition of the response topic, so that is the one this client reads.
+    home = tenant_partition(request.tenant_id.encode(), settings.topics.response_partitions)
+    with LlmqClient(settings, reply_partitions=[home]) as client:
         producer = Producer(settings.kafka.producer_config())
         producer.produce(topic, value, request.tenant_id.encode(), headers=[("trace", b"t-42")])
         assert producer.flush(10) == 0

@@ -35,7 +35,7 @@ from confluent_kafka.admin import AdminClient
 from pipeline.models import Priority, Request, Response, Status
 from pipeline.serde import Codec
 from pipeline.testing import produce_request
-from tests.integration.harness import read_topic
+from tests.integration.harness import committed_offsets, read_topic
 
 BANDS = (Priority.CRITICAL, Priority.HIGH, Priority.NORMAL, Priority.LOW)
 TENANTS = [f"tenant-{i}" for i in range(8)]
@@ -312,14 +312,29 @@ def test_gateways_and_a_worker_killed_in_turn_lose_nothing_and_keep_the_rate_lim
             req = codec.decode_request(m.value())
             dispatched[req.request_id].append(req)
     arrived = {}  # request id → its request record's timestamp: the clock of the gateway's buckets
+    placed = {}  # request id → (topic, partition, offset) of its request record
     for topic in s.topics.request_topics:
         for m in read_topic(s.kafka.bootstrap, topic):
-            arrived[codec.decode_request(m.value()).request_id] = m.timestamp()[1]
+            rid = codec.decode_request(m.value()).request_id
+            arrived[rid] = m.timestamp()[1]
+            placed[rid] = (m.topic(), m.partition(), m.offset())
 
     # Nothing lost, and each answered with what it deserves, one status per id.
     lost = [r.request_id for r in sent if not answers[r.request_id]]
     if lost:
-        problems.append(f"{len(lost)} of {len(sent)} requests never answered")
+        sent_by_id = {r.request_id: r for r in sent}
+        where = collections.Counter(
+            ("dispatched" if rid in dispatched else "in a request topic" if rid in arrived else "nowhere",
+             sent_by_id[rid].priority.value, sent_by_id[rid].tenant_id == METERED) for rid in lost)
+        problems.append(f"{len(lost)} of {len(sent)} requests never answered; (where, band, metered): {dict(where)}")
+        committed = committed_offsets(s.kafka.bootstrap, f"{s.topics.prefix}-gw", s.topics.request_topics)
+        at = collections.defaultdict(list)
+        for rid in lost:
+            if rid in placed:
+                topic, partition, offset = placed[rid]
+                at[(topic.rsplit(".", 1)[1], partition, committed.get((topic, partition)))].append(offset)
+        problems.append("lost records by (band, partition, the gateways' committed offset): "
+                        + ", ".join(f"{k}: offsets {min(v)}..{max(v)} ({len(v)})" for k, v in sorted(at.items())))
     wrong, mixed = [], []
     for r in sent:
         statuses = {resp.status for _, resp in answers[r.request_id]}
@@ -362,23 +377,32 @@ def test_gateways_and_a_worker_killed_in_turn_lose_nothing_and_keep_the_rate_lim
         extra = [(len(answers[rid]), len(copies)) for rid, copies in dispatched.items() if len(answers[rid]) > len(copies)]
         if extra:
             problems.append(f"{len(extra)} dispatched records answered more than once (answers, dispatches): {extra[:3]}")
-    completed = {rid for rid, got in answers.items() if got[0][1].status is Status.COMPLETED}
+    completed = {rid for rid, got in answers.items() if got and got[0][1].status is Status.COMPLETED}
     if not completed <= set(dispatched):
         problems.append("a COMPLETED answer to a request no gateway dispatched")
 
-    # The rate-limited tenant, over every gateway it moved between: at most burst + rate x L
-    # admissions over any interval of length L of its requests' arrival (the buckets' clock).
+    # The rate-limited tenant, over every gateway it moved between. Its buckets run on their own
+    # clock: a request's arrival (its record's timestamp), or the latest arrival already charged
+    # when one arrives out of order (another band's topic read later, a failover's redelivery), so
+    # that the buckets never run backwards (docs/gateway.md). Replayed in the order the gateways
+    # decided (admitted_at), that clock is what the limit holds on: at most burst + rate x L
+    # admissions over any interval of length L. By plain arrival it is printed, not asserted.
     interval_ms = 1000 / RATE_PER_S
     metered = [rid for rid, copies in dispatched.items() if copies[0].tenant_id == METERED]
+    clock, bucket_times = 0, []
+    for rid in sorted(metered, key=lambda rid: (dispatched[rid][0].admitted_at, arrived[rid])):
+        clock = max(clock, arrived[rid])
+        bucket_times.append(clock)
+    by_clock = _worst_excess(bucket_times, interval_ms)
     by_arrival = _worst_excess([arrived[rid] for rid in metered], interval_ms)
     by_admission = _worst_excess([dispatched[rid][0].admitted_at for rid in metered], interval_ms)
     span_s = (max(arrived[rid] for rid in metered) - min(arrived[rid] for rid in metered)) / 1000 if metered else 0
     print(f"{METERED}: {len(metered)} admitted over {span_s:.0f} s (limit {RATE_PER_S}/s, burst {BURST}); most "
-          f"admissions over any interval beyond its length x rate: {by_arrival:.2f} by arrival, {by_admission:.2f} "
-          f"by admitted_at")
-    if by_arrival > BURST + 1e-6:
-        problems.append(f"the rate-limited tenant was admitted {by_arrival:.2f} over its rate in an interval of "
-                        f"arrival (burst {BURST})")
+          f"admissions over any interval beyond its length x rate: {by_clock:.2f} on the buckets' clock, "
+          f"{by_arrival:.2f} by arrival, {by_admission:.2f} by admitted_at")
+    if by_clock > BURST + 1e-6:
+        problems.append(f"the rate-limited tenant was admitted {by_clock:.2f} over its rate in an interval of "
+                        f"its buckets' clock (burst {BURST})")
     # ...and the limit was what refused it, not something else: it kept close to its rate.
     if len(metered) < 0.6 * RATE_PER_S * span_s:
         problems.append(f"the rate-limited tenant got {len(metered)} admissions in {span_s:.0f} s, far under its rate")
