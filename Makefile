@@ -11,6 +11,7 @@ help:
 	@echo "make test   - set up, then the whole test suite (starts and stops its own broker)"
 	@echo "make bench  - set up, run the benchmark scenarios, write bench/results.json"
 	@echo "make chaos  - set up, run the fault harness (kills, broker restart) in both delivery modes"
+	@echo "make screenshot - the demo's load in Prometheus's web UI, as docs/prometheus-demo.png (needs chromium)"
 	@echo "make setup  - create .venv, install llmq into it, fetch the Kafka jars and promtool (cached)"
 
 setup: $(VENV)/.installed
@@ -46,12 +47,19 @@ integration: setup llama
 
 bench: setup
 	$(BIN)/python bench/run.py
+	$(BIN)/python bench/charts.py
 
 # Fault harness: worker SIGKILL x3, a broker restart, a frozen worker, calls longer than
 # max.poll.interval.ms, in both delivery modes; writes bench/chaos.json (about 5 minutes).
 .PHONY: chaos
 chaos: setup
 	$(BIN)/python bench/chaos.py
+
+# docs/prometheus-demo.png: the real stack under the demo's load in Prometheus's web UI, taken with
+# headless Debian chromium (apt-get install chromium); about two minutes.
+.PHONY: screenshot
+screenshot: setup
+	$(WITH_PROM) $(BIN)/python deploy/tools/screenshot.py
 
 # Mutation fuzzer over the worker's admission path (no broker); writes bench/fuzz.json.
 .PHONY: fuzz

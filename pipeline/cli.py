@@ -235,7 +235,7 @@ def cmd_demo(args) -> int:
 
     return run_demo(_settings(args), requests=args.requests, workers=args.workers,
                     sim_latency_ms=args.sim_latency_ms, keep_broker=args.keep_broker, rate=args.rate,
-                    gateway=not args.no_gateway)
+                    gateway=not args.no_gateway, worker_metrics_port=args.worker_metrics_port)
 
 
 def cmd_acls(args) -> int:
@@ -578,6 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "over what the demo's workers serve)")
     p.add_argument("--no-gateway", action="store_true", help="workers read the request topics directly")
     p.add_argument("--keep-broker", action="store_true", help="leave a broker the demo started running")
+    p.add_argument("--worker-metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve worker i's Prometheus metrics on PORT + i (default 0: none; the gateway's are on "
+                        "its web port, 6066)")
     p.set_defaults(func=cmd_demo)
     return parser
 

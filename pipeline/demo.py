@@ -91,7 +91,8 @@ def _start_gateway(settings: Settings, env: dict, workdir: str, web_port: int) -
 
 
 def run_demo(settings: Settings, requests: int = 3000, workers: int = 2, sim_latency_ms: float = 20.0,
-             keep_broker: bool = False, rate: float = 350.0, gateway: bool = True) -> int:
+             keep_broker: bool = False, rate: float = 350.0, gateway: bool = True,
+             worker_metrics_port: int = 0) -> int:
     import tempfile
 
     started_broker = None
@@ -123,7 +124,8 @@ def run_demo(settings: Settings, requests: int = 3000, workers: int = 2, sim_lat
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "pipeline.cli", "--log-level", os.environ.get("LLMQ_DEMO_WORKER_LOG", "WARNING"), "worker",
                  "--sim-latency-ms", str(sim_latency_ms), "--max-inflight", str(inflight), "--worker-id",
-                 f"demo-worker-{i}", "--metrics-port", "0", "--source", "dispatch" if gateway else "requests"],
+                 f"demo-worker-{i}", "--metrics-port", str(worker_metrics_port + i if worker_metrics_port else 0),
+                 "--metrics-addr", "127.0.0.1", "--source", "dispatch" if gateway else "requests"],
                 env=env, stdin=subprocess.DEVNULL))
         _wait_for_members(settings, settings.worker.group_id, workers)
         capacity = workers * inflight * 1000 / sim_latency_ms
