@@ -39,7 +39,7 @@ from pipeline.gateway.depths import DispatchDepths, Reading
 from pipeline.gateway.intake import Intake
 from pipeline.gateway.outputs import Outputs
 from pipeline.gateway.partitions import Ownership, partitioner
-from pipeline.gateway.positions import ReadPositions, committed_or_start
+from pipeline.gateway.positions import HoleReader, ReadPositions, committed_or_start
 from pipeline.gateway.seen import RecentIds
 from pipeline.gateway.tenant_states import TenantStates
 from pipeline.models import BANDS, Priority, now_ms
@@ -117,6 +117,7 @@ class Gateway:
 
         self.ownership = Ownership(t.request_partitions)
         self.positions = ReadPositions(committed_or_start(settings, app_id))
+        self.holes = HoleReader(settings)
         self.tenants = TenantStates(self.tenants_table)
         self.seen = RecentIds(self.seen_table, self.ownership, g.dedupe_horizon_ms)
         caps = g.band_ints("queue_caps")
@@ -164,12 +165,13 @@ class Gateway:
             async def admit(stream):
                 async for event in stream.noack().events():
                     msg = event.message
-                    back = gateway.positions.check((msg.topic, msg.partition), msg.offset)
-                    if back is not None:  # a stale record after a rebalance (positions.py)
-                        await app.consumer.seek(msg.tp, back)
-                        continue
+                    hole = gateway.positions.check((msg.topic, msg.partition), msg.offset)
+                    skipped = ()
+                    if hole is not None:  # a stale record after a rebalance (positions.py)
+                        skipped = await asyncio.get_running_loop().run_in_executor(
+                            None, gateway.holes.read, msg.topic, msg.partition, *hole)
                     gateway._maybe_reload()
-                    gateway.intake.handle(event)
+                    gateway.intake.handle(event, before=skipped)
 
         @app.agent(self.finished_in, name="completions")
         async def completions(stream):
@@ -191,7 +193,8 @@ class Gateway:
             gateway.ownership.assigned({tp.partition for tp in assigned if tp.topic in request_topics})
             gateway._reload = True
             mine = [(tp.topic, tp.partition) for tp in assigned if tp.topic in request_topics]
-            await asyncio.get_running_loop().run_in_executor(None, gateway.positions.assigned, mine)
+            # In the loop, not an executor: no record of the new generation may be handled before this.
+            gateway.positions.assigned(mine)
 
         app.on_partitions_assigned.connect(assigned)
 

@@ -21,7 +21,7 @@ answer it gave).
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Iterable
 
 from pipeline.dlq import dead_letter_headers
 from pipeline.errors import DecodeError, EncodeError
@@ -72,14 +72,18 @@ class Intake:
         #: A request topic's name in the tenant records' ``applied`` (its band's rank).
         self.sources = {topics.request_topic(p): str(p.rank) for p in BANDS}
 
-    def handle(self, event) -> None:
-        msg = event.message
+    def handle(self, event, before: Iterable = ()) -> None:
+        """Decide ``event``'s record, after ``before`` (records of its partition Faust skipped,
+        see positions.py): all their answers and decisions are written as the event's."""
         outputs: list = []
-        try:
-            self._handle(msg, outputs)
-        except Exception as exc:  # noqa: BLE001 (a bug must neither stop the gateway nor lose the request)
-            log.exception("admitting %s[%d]@%d failed", msg.topic, msg.partition, msg.offset)
-            outputs = [self._dead_letter(msg, "gateway_error", f"{type(exc).__name__}: {exc}")]
+        for msg in (*before, event.message):
+            mine: list = []
+            try:
+                self._handle(msg, mine)
+            except Exception as exc:  # noqa: BLE001 (a bug must neither stop the gateway nor lose the request)
+                log.exception("admitting %s[%d]@%d failed", msg.topic, msg.partition, msg.offset)
+                mine = [self._dead_letter(msg, "gateway_error", f"{type(exc).__name__}: {exc}")]
+            outputs += mine
         self.checkpoint.after_write(event, outputs)
 
     def _handle(self, msg, outputs: list) -> None:

@@ -1,32 +1,50 @@
-"""Where each request partition must be read from after a rebalance, so that no request is skipped.
+"""No request record skipped after a rebalance: where each request partition must be read from,
+and the records to read ourselves when Faust jumps past them.
 
-faust-streaming delivers, after a rebalance that gives a gateway back a partition it already
+faust-streaming can deliver, after a rebalance that gives a gateway back a partition it already
 had, what is left of a batch fetched before it (faust-streaming/faust#221, the same report as
-#216): records *past* the committed offset, before the ones at it. Faust then counts the
-offsets in between as a gap in the topic (acknowledged, never delivered) and drops the
-refetched records below the stale one's offset, so its next commit moves past requests nobody
-decided. Seen here: three gateways, one SIGKILLed, 18 requests of one partition never answered.
+#216): a record *past* the committed offset comes first. Faust then counts the offsets in between
+as a gap (acknowledged, never delivered), and drops the refetched records below the stale one's
+offset, since it has "read" past them, so its next commit moves past requests nobody decided.
+Seen here: three gateways, one SIGKILLed, 18-69 requests of one partition never answered.
 
-The guard, through Faust's public consumer API: at assignment, each request partition's next
-offset is the group's committed one (or the log start); until the first record at that offset
-arrives, a record past it is not handled and the partition is sought back (``Consumer.seek``),
-which makes Faust read from there again. A second jump to the same record is a real hole in the
-log (a transaction marker) and is taken. What remains of the upstream bug: Faust has already
-counted the skipped offsets as acknowledged, and commits past them as soon as the first of
-them is handled again, so a gateway killed in the second or so that re-reading takes would
-skip them still. The completions agent is not guarded: its topics are written in
-transactions, and a record it misses costs a quota slot until the sweep, not an answer.
+Seeking back does not help: Faust's drain loop runs ahead of the agent, and every record it
+delivers after the seek resets its read offset past the hole again. So the guard reads the hole
+itself. At assignment (synchronously, before any record of the new generation is delivered),
+each request partition's expected first offset is the group's committed one, or the log start.
+The first record at or past it disarms the partition; if it is past it, the records in between
+are read with a plain librdkafka consumer (:class:`HoleReader`, no group) and decided, in order,
+before the record that jumped, as part of its event. Records below it were decided before and are
+answered again by the intake, as any redelivery is. What remains of the upstream bug: Faust has
+counted the hole acknowledged already, so a gateway killed between the jump and the write of the
+hole's decisions (milliseconds) would skip them still. The completions agent is not guarded: its
+topics are written in transactions, and a record it misses costs a quota slot until the sweep,
+not an answer.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
 #: (topic, partition)
 TP = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Record:
+    """A request record read outside Faust, with the fields the intake reads of a Faust message."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    timestamp: float | None  # seconds, as Faust gives it
+    headers: list = field(default_factory=list)
 
 
 class ReadPositions:
@@ -36,31 +54,66 @@ class ReadPositions:
         #: Where the group left each partition (its committed offset, else the log start).
         self.start_offsets = start_offsets
         self._next: dict[TP, int] = {}  # armed partitions only: the offset expected first
-        self._jump: dict[TP, int] = {}  # the last record seen past it
-        self.sought = 0  # seeks made (a stale batch after a rebalance), for the log and the tests
+        self.holes = 0  # holes found (a stale batch after a rebalance), for the log and the tests
 
     def assigned(self, partitions: Iterable[TP]) -> None:
         tps = list(partitions)
-        self._next = {tp: off for tp, off in self.start_offsets(tps).items() if off is not None and off >= 0}
-        self._jump = {}
+        try:
+            starts = self.start_offsets(tps)
+        except Exception as exc:  # noqa: BLE001 (the broker unreachable now: unguarded, as Faust is alone)
+            log.warning("cannot read the committed offsets of %d request partitions (%s): a stale batch after "
+                        "this rebalance would go unnoticed (faust-streaming#221)", len(tps), exc)
+            starts = {}
+        self._next = {tp: off for tp, off in starts.items() if off is not None and off >= 0}
 
-    def check(self, tp: TP, offset: int) -> int | None:
-        """None: handle the record. An offset: do not handle it; seek ``tp`` there first."""
+    def check(self, tp: TP, offset: int) -> tuple[int, int] | None:
+        """None: handle the record. ``(lo, hi)``: first read and decide offsets ``lo``..``hi - 1``."""
         expected = self._next.get(tp)
-        if expected is None:
-            return None
-        if offset == expected or self._jump.get(tp) == offset:
-            # The first record where the group left off (or past a real hole): read in order from here.
-            del self._next[tp]
-            self._jump.pop(tp, None)
-            return None
-        if offset < expected:
-            return None  # below the commit: already decided, the intake answers it again
-        self._jump[tp] = offset
-        self.sought += 1
+        if expected is None or offset < expected:
+            return None  # unguarded, or below the commit: already decided, the intake answers it again
+        del self._next[tp]
+        if offset == expected:
+            return None  # where the group left off: in order from here
+        self.holes += 1
         log.info("%s[%d]: record %d came before %d, where the group left off (faust-streaming#221): "
-                 "reading again from %d", tp[0], tp[1], offset, expected, expected)
-        return expected
+                 "reading %d records in between first", tp[0], tp[1], offset, expected, offset - expected)
+        return expected, offset
+
+
+class HoleReader:
+    """Reads offsets ``[lo, hi)`` of one partition with librdkafka, outside the group."""
+
+    def __init__(self, settings, timeout_s: float = 30.0):
+        self.settings = settings
+        self.timeout_s = timeout_s
+
+    def read(self, topic: str, partition: int, lo: int, hi: int) -> list[Record]:
+        import time
+
+        from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+        consumer = Consumer(self.settings.kafka.consumer_config(
+            "llmq-gateway-holes", **{"enable.auto.commit": False, "enable.partition.eof": True}))
+        out: list[Record] = []
+        try:
+            consumer.assign([TopicPartition(topic, partition, lo)])
+            deadline = time.monotonic() + self.timeout_s
+            while time.monotonic() < deadline:
+                msg = consumer.poll(0.5)
+                if msg is not None and not msg.error() and msg.offset() < hi:
+                    ts = msg.timestamp()[1]
+                    out.append(Record(topic, partition, msg.offset(), msg.key(), msg.value(),
+                                      ts / 1000.0 if ts and ts > 0 else None, list(msg.headers() or ())))
+                # Done at hi, or at the log end: transaction markers have no record.
+                position = consumer.position([TopicPartition(topic, partition)])[0].offset
+                at_end = msg is not None and msg.error() is not None and msg.error().code() == KafkaError._PARTITION_EOF
+                if position >= hi or at_end:
+                    return out
+            log.error("%s[%d]: read %d of the records %d..%d in %.0f s; the rest are left to a redelivery",
+                      topic, partition, len(out), lo, hi - 1, self.timeout_s)
+            return out
+        finally:
+            consumer.close()
 
 
 def committed_or_start(settings, group: str) -> Callable[[list[TP]], dict[TP, int]]:

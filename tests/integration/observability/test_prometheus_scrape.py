@@ -161,6 +161,11 @@ def test_prometheus_scrapes_the_gateway_and_the_rules_read_its_series(settings, 
         worker_port = free_port()
         serve(worker.metrics.registry, worker_port)
         query = prometheus({"llmq-gateway": gateway_port, "llmq-workers": worker_port}, RULE_FILES)
+
+        def baseline_scraped():  # the zero every band's admissions start from, before any is sent
+            assert len(query('llmq_requests_total{job="llmq-gateway",outcome="admitted"} == 0')) == len(Priority)
+
+        _eventually(baseline_scraped, timeout=60)
         with LlmqClient(settings, listen=False) as client:
             # In three waves a few scrapes apart: a counter's first sample is no increase to rate(), so
             # the admissions after it make the rates the recording rules divide by.

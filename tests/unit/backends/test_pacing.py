@@ -192,6 +192,19 @@ def test_a_stale_sample_hands_over_to_the_ttft_limit():
     assert pacer.limit() == 3
 
 
+def test_ttft_pacing_takes_over_from_the_limit_the_metrics_last_gave():
+    clock = Clock()
+    pacer = ServerPacer(PacingConfig(initial_limit=16, metrics_stale_s=0.2), clock)
+    pacer.capacity = 16
+    pacer.observe_load(ServerLoad(running=16, waiting=1, kv_usage=0.0, at=0.0))
+    pacer.observe_load(ServerLoad(running=16, waiting=1, kv_usage=0.0, at=0.05))  # 16 slots, all ours
+    for i in range(200):  # fast first tokens at the limit: TTFT pacing alone would have grown meanwhile
+        pacer.aimd.first_token(0.02, 0.05, at_limit=True)
+    pacer.observe_load(ServerLoad(running=16, waiting=0, kv_usage=0.0, at=0.1))
+    clock.now = 0.5  # the metrics go stale (a busy host): no burst past what the server could take
+    assert pacer.mode == "ttft" and pacer.limit() <= 17
+
+
 def test_a_fixed_gate_never_adapts():
     pacer = ServerPacer(PacingConfig(adaptive=False, initial_limit=5, max_limit=5), Clock())
     pacer.aimd.cut(0.0)

@@ -254,3 +254,18 @@ def test_a_refusal_goes_to_the_partition_its_client_reads_and_a_partition_it_lac
     handled(gw, *(gw.request_event(r) for r in reqs))
     answers = [p for topic, p in gw.outputs.partitions if topic == gw.settings.topics.responses]
     assert answers == [4, None]  # the rate-limited fourth to partition 4; the last: no such partition
+
+
+def test_records_faust_skipped_are_decided_before_the_one_that_jumped_and_acked_with_it(gw):
+    from pipeline.gateway.positions import Record
+
+    reqs = [Request.new("acme", f"r{i}", timeout_ms=600_000) for i in range(3)]
+    events = [gw.request_event(r, offset=10 + i) for i, r in enumerate(reqs)]
+    skipped = [Record(e.message.topic, e.message.partition, e.message.offset, e.message.key, e.message.value,
+                      None, []) for e in events[:2]]
+    gw.intake.handle(events[2], before=skipped)
+    run(gw.checkpoint.round())
+    gw.outputs.deliver()
+    decided = [entry[1] for bucket in gw.seen_table.values() for entry in bucket]
+    assert decided == [f"{events[0].message.topic}:0:{o}" for o in (10, 11, 12)]  # all three, in offset order
+    assert len(gw.outputs.sent_before) == 3 and events[2].acked

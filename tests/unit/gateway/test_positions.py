@@ -1,5 +1,5 @@
-"""After a rebalance no request record is skipped: a stale record past the committed offset is
-sought back from (faust-streaming#221), a real hole in the log is crossed once seen twice."""
+"""After a rebalance no request record is skipped: when the first record of a partition comes past
+the group's committed offset (faust-streaming#221), the records in between are read first."""
 
 from pipeline.gateway.positions import ReadPositions
 
@@ -12,36 +12,39 @@ def positions(start=4):
     return p
 
 
-def test_a_stale_record_past_the_commit_is_not_handled_and_the_partition_is_read_again_from_it():
+def test_a_stale_record_past_the_commit_asks_for_the_records_in_between_once():
     p = positions()
-    assert p.check(TP, 22) == 4  # what was left of a batch fetched before the rebalance
-    assert p.check(TP, 23) == 4  # each further stale record: sought back again
-    assert p.check(TP, 4) is None  # the records at the commit, in order, from here
-    assert p.check(TP, 5) is None and p.check(TP, 22) is None
-    assert p.sought == 2
+    assert p.check(TP, 22) == (4, 22)  # what was left of a batch fetched before the rebalance
+    assert p.check(TP, 23) is None  # the hole is read once; from here Faust's order is taken
+    assert p.check(TP, 4) is None  # a refetched record below it: decided again, answered the same
+    assert p.holes == 1
 
 
 def test_the_first_record_at_the_commit_disarms_the_guard():
     p = positions()
     assert p.check(TP, 4) is None
     assert p.check(TP, 9) is None  # later holes (transaction markers) are Faust's, as usual
-
-
-def test_a_jump_seen_twice_is_a_hole_in_the_log_and_is_taken():
-    p = positions()
-    assert p.check(TP, 5) == 4  # offset 4 is a transaction marker: the refetch starts at 5 again
-    assert p.check(TP, 5) is None
-    assert p.check(TP, 6) is None
+    assert p.holes == 0
 
 
 def test_records_below_the_commit_and_partitions_never_assigned_are_handled():
     p = positions()
     assert p.check(TP, 3) is None  # already decided: the intake answers it again
+    assert p.check(TP, 5) == (4, 5)  # still armed until a record at or past the commit
     assert p.check(("llm.requests.low", 0), 100) is None
 
 
 def test_a_new_assignment_starts_over():
     p = positions()
-    assert p.check(TP, 30) == 4
+    assert p.check(TP, 30) == (4, 30)
     p.assigned([TP])
     assert p.check(TP, 4) is None
+
+
+def test_offsets_that_cannot_be_read_leave_the_partitions_unguarded():
+    def down(tps):
+        raise RuntimeError("broker unreachable")
+
+    p = ReadPositions(down)
+    p.assigned([TP])
+    assert p.check(TP, 50) is None
