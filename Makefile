@@ -48,6 +48,7 @@ integration: setup llama
 bench: setup
 	$(BIN)/python bench/run.py
 	$(BIN)/python bench/charts.py
+	$(BIN)/python bench/capacity.py
 
 # Fault harness: worker SIGKILL x3, a broker restart, a frozen worker, calls longer than
 # max.poll.interval.ms, in both delivery modes; writes bench/chaos.json (about 5 minutes).

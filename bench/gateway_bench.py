@@ -26,7 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from machine import cpu_times, machine_load, runs_on_a_quiet_machine
 
@@ -287,7 +287,7 @@ def p99(xs) -> float:
 
 def gateway_throughput(settings: Settings, args, raw_passthrough, fill) -> dict:
     n = min(args.messages, 30_000)
-    raw, gw = [], []
+    raw, gw, writes = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(max(1, args.rounds)):  # make bench's five: both sides swing by a third from run to run
             s = fresh(settings)
@@ -305,14 +305,52 @@ def gateway_throughput(settings: Settings, args, raw_passthrough, fill) -> dict:
                 gw.append(n / max((max(stamps) - min(stamps)) / 1000, 1e-3))
             finally:
                 gw_proc.stop()
+            writes.append(records_written(s2, n))
             _log(f"  round {r + 1}: raw {raw[-1]:,.0f} msg/s   gateway {gw[-1]:,.0f} admitted/s")
     raw_m, gw_m = statistics.median(raw), statistics.median(gw)
     return {"raw_msgs_per_s": round(raw_m), "gateway_msgs_per_s": round(gw_m), "ratio": round(gw_m / raw_m, 3),
             "overrides": THROUGHPUT_OVERRIDES, "sent": n * len(gw), "measured_admitted": n * len(gw),
             "messages": n, "raw_runs": [round(x) for x in raw], "gateway_runs": [round(x) for x in gw],
             "ratio_per_round": [round(g / r, 3) for r, g in zip(raw, gw)],
+            "broker_records_per_admitted": statistics.median(w["records_per_admitted"] for w in writes),
+            "broker_bytes_per_admitted": statistics.median(w["bytes_per_admitted"] for w in writes),
+            "broker_writes_per_round": writes,
             "measured": "admitted rate from the dispatch topics' timestamps, first to last (every band); the "
                         "topics are read after the gateway is done (as nothing reads beside the raw passthrough)"}
+
+
+def records_written(settings: Settings, admitted: int) -> dict:
+    """What the gateway wrote to the broker per admitted request: records and their key + value
+    bytes, over every topic of the round but the request topics the load filled, by topic kind
+    (dispatch, changelogs, responses...)."""
+    admin = AdminClient({"bootstrap.servers": settings.kafka.bootstrap})
+    requests = set(settings.topics.request_topics)
+    consumer = Consumer({"bootstrap.servers": settings.kafka.bootstrap, "group.id": f"count-{uuid.uuid4().hex[:8]}",
+                         "enable.auto.commit": False, "enable.partition.eof": True})
+    records: dict[str, int] = collections.Counter()
+    size: dict[str, int] = collections.Counter()
+    try:
+        parts = []
+        for name, md in admin.list_topics(timeout=30).topics.items():
+            if name.startswith(settings.topics.prefix) and name not in requests:
+                for p in md.partitions:
+                    if consumer.get_watermark_offsets(TopicPartition(name, p), timeout=10)[1] > 0:
+                        parts.append(TopicPartition(name, p, OFFSET_BEGINNING))
+        consumer.assign(parts)
+        pending, deadline = len(parts), time.monotonic() + 120
+        while pending and time.monotonic() < deadline:
+            for msg in consumer.consume(10_000, 0.5):
+                if msg.error() is not None:
+                    pending -= msg.error().code() == KafkaError._PARTITION_EOF
+                    continue
+                kind = msg.topic()[len(settings.topics.prefix):].lstrip(".-").split(".")[0]
+                records[kind] += 1
+                size[kind] += len(msg.key() or b"") + len(msg.value() or b"")
+    finally:
+        consumer.close()
+    return {"records_per_admitted": round(sum(records.values()) / admitted, 3),
+            "bytes_per_admitted": round(sum(size.values()) / admitted, 1),
+            "records_by_kind": dict(records), "bytes_by_kind": dict(size)}
 
 
 #: gateway_throughput runs on the defaults: 50 tenants' 30,000 requests fit their buckets' bursts.

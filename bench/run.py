@@ -333,6 +333,7 @@ def main(argv=None) -> int:
             started, cpu_before = time.time(), cpu_times()
             try:
                 results[name] = SCENARIOS[name](settings, args)
+                results[name]["run_at"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
                 results[name]["machine"] = {**machine_load(cpu_before, cpu_times()),
                                             **watch.stalls(started, time.time())}
                 if broker is not None:
@@ -346,7 +347,9 @@ def main(argv=None) -> int:
         tmp.cleanup()
 
     existing = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    existing.setdefault("scenarios", {}).update(results)
+    # A scenario this run did not make is kept from an earlier one; one that no longer exists is not.
+    existing["scenarios"] = {k: v for k, v in existing.get("scenarios", {}).items() if k in SCENARIOS}
+    existing["scenarios"].update(results)
     existing["conditions"] = _conditions(args, base.broker.kafka_version, broker is not None)
     RESULTS.write_text(json.dumps(existing, indent=2) + "\n")
 
