@@ -748,7 +748,8 @@ class LlmqClient:
     def submit(self, request: Request, timeout: float = 30.0, track: bool = True,
                wait_queued: float = _QUEUED_WAIT_S) -> Submitted:
         """Produce ``request`` and return once the broker acknowledged it, and (a request with
-        ``notify_queued``) once the gateway said where it is queued or why it refused it.
+        ``notify_queued``) once the gateway said where it is queued or why it refused it, or
+        its answer came (a fast worker's answer can overtake the QUEUED word).
 
         With ``track`` (default) its response is kept for :meth:`result`; pass
         ``track=False`` for fire-and-forget submits so nothing is held for them.

@@ -130,13 +130,16 @@ class Intake:
                 m.degraded.labels(req.priority.value).inc()
             if band is not req.priority:
                 m.reprioritised.labels(req.priority.value, band.value).inc()
-            self._dispatch(req, now, band, decision.model, decision.degraded_from, outputs)
             if req.notify_queued:
+                # Produced before the dispatch so that it is not overtaken by the answer of a
+                # fast worker. Kafka orders nothing across topics, so a client still takes the
+                # answer as the first word if it comes first.
                 eta = decision.eta_ms
                 outputs.append(self._answer(Response.for_request(
                     req, Status.QUEUED, admitted_at=now, served_priority=band, queue_position=decision.position,
-                    eta_ms=None if eta is None or eta == float("inf") else int(eta), model=req.model,
-                    degraded=req.degraded_from is not None), req))
+                    eta_ms=None if eta is None or eta == float("inf") else int(eta), model=decision.model or req.model,
+                    degraded=decision.degraded_from is not None), req))
+            self._dispatch(req, now, band, decision.model, decision.degraded_from, outputs)
             return
         status = _STATUS[decision.action]
         self.seen.add(req.request_id, msg.partition, Seen(source, req.tenant_id, now, status=status.value,
