@@ -6,23 +6,20 @@ process for the scheduling test that needs a server with many slots.
 from __future__ import annotations
 
 import asyncio
-import re
-import subprocess
-import sys
 import threading
 import time
 
-import httpx
 import pytest
 from confluent_kafka import Producer
 
 from pipeline.cancellations import cancellation_record
 from pipeline.models import Priority, Request, Status
 from pipeline.serde import Codec
+from pipeline.simulator.process import SimulatorProcess
 from pipeline.streams import ChunkReader
 from pipeline.worker.backends.factory import make_backend
 from tests.integration.backends.fault_proxy import FaultProxy
-from tests.integration.harness import free_port, read_topic, running_worker
+from tests.integration.harness import read_topic, running_worker
 from tests.llama.fixtures import llama_model, llama_server, own_llama_server  # noqa: F401
 from tests.llama.server import MODEL_ALIAS
 
@@ -221,30 +218,8 @@ def test_a_model_without_a_server_is_failed_at_once(settings, llama_server):
 # -- the simulator: a server with many slots --------------------------------------------------
 
 
-class _SimulatorProcess:
-    def __init__(self, *args: str):
-        self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.simulator", "--port", str(self.port), *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        line = self.proc.stdout.readline()
-        assert "serving" in line, line
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-
-    def load(self) -> tuple[float, float]:
-        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=2).text
-        values = {}
-        for name in ("running", "waiting"):
-            m = re.search(rf"^vllm:num_requests_{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
-            values[name] = float(m.group(1)) if m else 0.0
-        return values["running"], values["waiting"]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-
-
 def test_a_critical_request_during_a_background_backlog_waits_about_one_slot_time_not_the_queue(settings):
-    sim = _SimulatorProcess("--served-model-name", "sim-small", "--max-num-seqs", "16", "--ttft-ms", "20",
+    sim = SimulatorProcess("--served-model-name", "sim-small", "--max-num-seqs", "16", "--ttft-ms", "20",
                             "--ms-per-token", "5")
     try:
         # No preemption: what keeps CRITICAL from waiting behind the backlog is that the backlog

@@ -78,6 +78,21 @@ class _Call:
     tried: set = field(default_factory=set)
 
 
+async def _drain(reads, deadline: float, limit: int = 1 << 16) -> None:
+    """Read what is left of a finished stream's body (its last, empty, chunk): a connection
+    closed with its response unread cannot be reused, and a new one per call costs a TCP
+    handshake and the event loop a good part of a millisecond."""
+    left = limit
+    try:
+        async with asyncio.timeout_at(deadline):
+            async for data in reads:
+                left -= len(data)
+                if left < 0:
+                    return
+    except (TimeoutError, httpx.HTTPError):
+        pass
+
+
 class OpenAIBackend:
     name = "openai"
 
@@ -325,14 +340,20 @@ class OpenAIBackend:
                             _usage_of(completion))
                 return
             parser = SseParser()
-            lines = resp.aiter_lines()
+            reads = resp.aiter_bytes()  # content-decoded (a proxy may gzip the stream)
             first = True
-            while True:
+            while not assembler.done:
+                # A deadline per read, not around the loop: it must not reach into the code
+                # this generator yields to.
                 async with asyncio.timeout_at(loop_ends):
-                    line = await anext(lines, None)
-                data = parser.line(line) if line is not None else parser.end()
-                if data is not None:
-                    chunk = assembler.feed(data)
+                    data = await anext(reads, None)
+                if data is None:
+                    tail = parser.close()
+                    events = [tail] if tail is not None else []
+                else:
+                    events = parser.feed(data)
+                for event in events:
+                    chunk = assembler.feed(event)
                     if chunk is not None:
                         if first:
                             first = False
@@ -340,11 +361,13 @@ class OpenAIBackend:
                         yield chunk
                     if assembler.done:
                         break
-                if line is None:
+                if data is None:
                     break
             if not assembler.complete:
                 raise _Failure("the stream ended before the model finished", retriable=True, server=server,
                                empty_stream=assembler.events == 0)
+            if data is not None:
+                await _drain(reads, min(loop_ends, _loop_deadline(time.monotonic() + 1.0)))
             self.routes.mark_ok(server)
             server.stream_usage = assembler.usage is not None
             yield assembler.finish()

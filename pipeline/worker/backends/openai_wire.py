@@ -202,8 +202,37 @@ def sse_events(lines: Iterable[str]):
 class SseParser:
     """Server-sent events, line by line: ``data:`` lines up to a blank line make one event."""
 
+    #: The longest line kept while waiting for its end: a server that never ends one is broken.
+    MAX_LINE_BYTES = 1 << 20
+
     def __init__(self):
         self._data: list[str] = []
+        self._partial = b""
+
+    def feed(self, data: bytes) -> list[str]:
+        """The events completed by ``data``, a piece of the body as it came off the socket.
+
+        One read often holds a whole event: splitting it here costs the event loop one await
+        per read, where reading line by line costs one (and a timeout) per line.
+        """
+        lines = (self._partial + data).split(b"\n") if self._partial else data.split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > self.MAX_LINE_BYTES:
+            raise WireError(f"an event-stream line longer than {self.MAX_LINE_BYTES} bytes")
+        events = []
+        for raw in lines:
+            # "\n" never occurs inside a UTF-8 sequence, so a whole line decodes on its own.
+            event = self.line(raw.decode("utf-8", "replace"))
+            if event is not None:
+                events.append(event)
+        return events
+
+    def close(self) -> str | None:
+        """The body ended: its last line, if it had no newline, and the event it ends."""
+        if self._partial:  # not blank (else it would have ended in a newline): it ends nothing itself
+            partial, self._partial = self._partial, b""
+            self.line(partial.decode("utf-8", "replace"))
+        return self.end()
 
     def line(self, line: str) -> str | None:
         line = line.rstrip("\r\n")

@@ -11,9 +11,11 @@ what a server can start:
   what the server's *other* clients hold (``running + waiting`` less what llmq had in
   flight when the sample was taken), and the limit is ``capacity - others``.
   ``capacity`` (slots, across every client of the server) is learned: while requests
-  wait (at two samples in a row) it is exactly ``running``; while none wait and every
-  known slot is busy it is probed one above. A full KV cache starts nothing more. A
-  sample older than ``metrics_stale_s`` is not trusted (llm-d's routers guard against
+  wait (at two samples in a row) with as many running as ever, it is exactly ``running``;
+  while none wait and every known slot is busy it is probed above: by one, doubling while
+  the server keeps taking the probes, back to one at its first sign of being full. Requests
+  waiting while fewer run than the server has run at once only wait for its next step. A
+  full KV cache starts nothing more. A sample older than ``metrics_stale_s`` is not trusted (llm-d's routers guard against
   stale metrics the same way) and the limit below takes over;
 * **time to first token** otherwise, AIMD as in TCP: the limit grows by one per limit's
   worth of first tokens that come near the lowest TTFT seen (and only while the limit is
@@ -54,6 +56,9 @@ class PacingConfig:
     floor_rise: float = 0.01
     metrics_interval_s: float = 0.05
     metrics_stale_s: float = 0.2
+    #: Requests waiting with fewer running than the server's peak for this long: it has fewer
+    #: slots now (restarted smaller), and capacity is learned again from what runs.
+    shrink_after_s: float = 2.0
     #: KV cache fuller than this: start nothing more even with slots free (vLLM would preempt).
     kv_high: float = 0.95
 
@@ -135,6 +140,10 @@ class ServerPacer:
         #: What the last sample says the server's other clients have running or waiting.
         self.others = 0.0
         self._waited = False
+        #: The most requests the server has been seen running at once: it has at least that many slots.
+        self.peak = 0
+        self._below_peak = 0
+        self._probe = 1
         # (time, in_flight after it) of every start and finish since the last sample, so the
         # next sample can be compared with what llmq itself had in flight when it was taken.
         self._history: deque[tuple[float, int]] = deque()
@@ -188,13 +197,29 @@ class ServerPacer:
         if load is None:
             self.load = None
             return
-        if load.waiting > 0 and self._waited:
-            # Requests waited at two samples in a row: every slot is busy, so that is how many
-            # there are. (One sample is not enough: a request waits until the next engine step
-            # even with a slot free.)
-            self.capacity = max(1, int(load.running))
-        elif load.waiting == 0 and load.running >= self.capacity:
-            self.capacity = int(load.running) + 1  # full and nobody waits: probe one slot more
+        running = int(load.running)
+        if load.waiting > 0 and self._waited and running >= self.peak:
+            # Requests waited at two samples in a row with as many running as ever: every slot
+            # is busy, so that is how many there are. (One sample is not enough: a request
+            # waits until the next engine step even with a slot free.)
+            self.capacity = max(1, running)
+            self._probe = 1
+        elif load.waiting > 0 and running < self.peak:
+            # Fewer running than the server has run at once: slots are free, and what waits
+            # only waits for the next step (at a high arrival rate something nearly always
+            # does). Only a long run of such samples says the server shrank (a restart).
+            self._below_peak += 1
+            if self._below_peak * self.config.metrics_interval_s >= self.config.shrink_after_s:
+                self.peak, self.capacity, self._below_peak, self._probe = running, max(1, running), 0, 1
+        elif load.waiting == 0 and running >= self.capacity:
+            # Every known slot busy and nobody waits: probe above. Each probe the server took
+            # doubles the next (a big server is found in a few samples); the first sign that it
+            # is full goes back to one, so a full server has at most one more than it can run.
+            self.capacity = running + self._probe
+            self._probe = min(2 * self._probe, max(1, self.capacity // 2))
+        if load.waiting == 0 or running >= self.peak:
+            self._below_peak = 0
+        self.peak = max(self.peak, running)
         self._waited = load.waiting > 0
         # Calls of ours on their way when the sample was taken are not in it: "others" may
         # come out low by those, never high, and clamping at zero makes it exact for one client.

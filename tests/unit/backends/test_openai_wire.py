@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from pipeline.models import Request
-from pipeline.worker.backends.openai_wire import (StreamAssembler, WireError, chat_body, completion_from_json,
+from pipeline.worker.backends.openai_wire import (SseParser, StreamAssembler, WireError, chat_body, completion_from_json,
                                                   error_reason, quote, retry_after_s, sse_events)
 from pipeline.worker.backends.server_metrics import parse_load
 
@@ -141,3 +141,24 @@ vllm:num_requests_waiting_by_reason{reason="x"} 7
     llama = "llamacpp:requests_processing 1\nllamacpp:requests_deferred 4\n"
     assert (parse_load(llama, 0).running, parse_load(llama, 0).waiting) == (1.0, 4.0)
     assert parse_load("process_cpu_seconds_total 3\n", 0) is None
+
+
+def test_events_split_anywhere_across_reads_come_out_whole_and_in_order():
+    body = 'data: {"a": 1}\r\n\r\n: ping\n\ndata: {"b": "é"}\n\ndata: [DONE]\n\n'.encode()
+    for cut in range(1, len(body)):
+        parser = SseParser()
+        events = parser.feed(body[:cut]) + parser.feed(body[cut:])
+        tail = parser.close()
+        assert events + ([tail] if tail else []) == ['{"a": 1}', '{"b": "é"}', "[DONE]"], cut
+
+
+def test_a_body_that_ends_without_its_blank_line_still_gives_its_last_event():
+    parser = SseParser()
+    assert parser.feed(b"data: last") == []
+    assert parser.close() == "last"
+
+
+def test_an_endless_line_is_refused_not_buffered():
+    parser = SseParser()
+    with pytest.raises(WireError):
+        parser.feed(b"x" * (SseParser.MAX_LINE_BYTES + 1))

@@ -247,3 +247,39 @@ def test_a_call_that_ends_after_the_sample_frees_its_slot_at_once():
     assert pacer.available() == 1
     pacer.finish(slots[0])
     assert pacer.available() == 2  # not waiting for the next sample to see the free slot
+
+
+def test_requests_waiting_for_the_next_step_while_slots_are_free_do_not_shrink_capacity():
+    # Streams arriving every few ms: at most samples one has come since the server's last step.
+    pacer = ServerPacer(PacingConfig(initial_limit=4, max_limit=256), Clock())
+    for i, running in enumerate(range(4, 30)):  # the server has room: every probe is taken
+        pacer.observe_load(ServerLoad(running=running, waiting=0, kv_usage=None, at=i * 0.05))
+        pacer.observe_load(ServerLoad(running=running - 2, waiting=1, kv_usage=None, at=i * 0.05 + 0.01))
+        pacer.observe_load(ServerLoad(running=running - 1, waiting=2, kv_usage=None, at=i * 0.05 + 0.02))
+    assert pacer.capacity >= 30  # never below what ran (29), probed above it
+
+
+def test_a_big_server_is_found_in_a_few_samples_and_a_full_one_gets_one_more_at_most():
+    pacer = ServerPacer(PacingConfig(initial_limit=4, max_limit=256), Clock())
+    samples = 0
+    while pacer.capacity < 100:  # a 256-slot server takes every probe
+        pacer.observe_load(ServerLoad(running=pacer.capacity, waiting=0, kv_usage=None, at=samples * 0.05))
+        samples += 1
+    assert samples <= 10  # 4, 5, 7, 10, 15, 22, 33, 49, 73, 109
+    full = ServerPacer(PacingConfig(initial_limit=16, max_limit=256), Clock())
+    for i in range(40):  # 16 slots: the probe waits, two samples say so, back to 16, probe one again
+        over = full.capacity - 16
+        full.observe_load(ServerLoad(running=16, waiting=over, kv_usage=None, at=i * 0.05))
+        assert full.capacity <= 17
+
+
+def test_a_server_that_restarted_smaller_is_learned_again():
+    config = PacingConfig(initial_limit=4, max_limit=64)
+    pacer = ServerPacer(config, Clock())
+    pacer.observe_load(ServerLoad(running=16, waiting=1, kv_usage=None, at=0.0))
+    pacer.observe_load(ServerLoad(running=16, waiting=1, kv_usage=None, at=0.05))
+    assert pacer.capacity == 16
+    samples = int(config.shrink_after_s / config.metrics_interval_s)
+    for i in range(samples):  # now 8 slots: 8 run and the rest wait, for seconds
+        pacer.observe_load(ServerLoad(running=8, waiting=4, kv_usage=None, at=0.1 + i * 0.05))
+    assert pacer.capacity == 8
