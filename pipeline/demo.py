@@ -90,6 +90,10 @@ def _start_gateway(settings: Settings, env: dict, workdir: str, web_port: int) -
     raise RuntimeError(f"the gateway did not start (log {log_path}):\n{tail}")
 
 
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(settings: Settings, requests: int = 3000, workers: int = 2, sim_latency_ms: float = 20.0,
              keep_broker: bool = False, rate: float = 350.0, gateway: bool = True,
              worker_metrics_port: int = 0) -> int:
@@ -98,6 +102,10 @@ def run_demo(settings: Settings, requests: int = 3000, workers: int = 2, sim_lat
     started_broker = None
     procs: list[subprocess.Popen] = []
     workdir = tempfile.mkdtemp(prefix="llmq-demo-")
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM stops the demo the way Ctrl-C does: through the cleanup below, so the gateway
+        # and workers it started are stopped too, not left running without their parent.
+        signal.signal(signal.SIGTERM, _interrupted)
     try:
         if not broker_answers(settings.kafka.bootstrap):
             b = settings.broker
