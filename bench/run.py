@@ -5,7 +5,7 @@ alternating rounds so machine noise hits both; it reports medians and their rati
 Results are merged into bench/results.json under ``scenarios.<name>``.
 
     python bench/run.py                       # every scenario, default sizes
-    python bench/run.py --messages 20000 --rounds 3 worker_throughput
+    python bench/run.py --rounds 3 priority_isolation tenant_fairness
     LLMQ_BENCH_BOOTSTRAP=host:port python bench/run.py   # reuse a running broker
 """
 
@@ -288,11 +288,14 @@ def broker_pauses(gc_log: Path, start: float, end: float) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenarios", nargs="*", choices=[[], *SCENARIOS], default=[],
-                        help="which scenarios (default: all)")
-    parser.add_argument("--messages", type=int, default=100_000)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--prompt-bytes", type=int, default=512)
+    # `[]` is among the choices only because argparse checks an empty nargs="*" default against them.
+    parser.add_argument("scenarios", nargs="*", choices=[[], *SCENARIOS], default=[], metavar="SCENARIO",
+                        help=f"which scenarios (default: all): {', '.join(SCENARIOS)}")
+    parser.add_argument("--messages", type=int, default=100_000,
+                        help="requests a throughput scenario writes (gateway_throughput caps it at 30,000)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="alternating rounds of llmq and its baseline, where a scenario takes the count")
+    parser.add_argument("--prompt-bytes", type=int, default=512, help="prompt size of the generated requests")
     parser.add_argument("--broker-warm-up", type=float, default=60, metavar="SECONDS",
                         help="traffic through the broker this run starts before the first scenario, while "
                              "its JIT compiles (default 60; 0: none)")

@@ -57,6 +57,28 @@ def _prometheus_binary() -> str:
     return found
 
 
+#: Debian's build serves its web UI from this path, compiled in; no flag moves it.
+DEBIAN_WEB_UI = Path("/usr/share/prometheus/web")
+
+
+def _web_ui(prometheus: str) -> None:
+    """Make the web UI's templates and scripts reachable where Debian's prometheus looks for them.
+
+    A packaged install has them there. The copy `make setup` unpacks keeps them beside the binary,
+    so, where it may (as root), this links that path to the unpacked copy, and says so."""
+    if (DEBIAN_WEB_UI / "templates" / "_base.html").exists():
+        return
+    unpacked = Path(prometheus).resolve().parents[1] / "share" / "prometheus"
+    if not (unpacked / "web" / "templates" / "_base.html").exists():
+        sys.exit(f"this prometheus has no web UI templates at {DEBIAN_WEB_UI}: install Debian's package "
+                 "(apt-get install prometheus)")
+    if DEBIAN_WEB_UI.parent.exists() or not os.access(DEBIAN_WEB_UI.parents[1], os.W_OK):
+        sys.exit(f"Debian's prometheus reads its web UI from {DEBIAN_WEB_UI}, which is missing. Install the "
+                 f"package (apt-get install prometheus), or link it: ln -s {unpacked} {DEBIAN_WEB_UI.parent}")
+    DEBIAN_WEB_UI.parent.symlink_to(unpacked, target_is_directory=True)
+    _say(f"linked {DEBIAN_WEB_UI.parent} -> {unpacked} (Debian's prometheus reads its web UI there)")
+
+
 def _chromium() -> str:
     found = shutil.which("chromium")
     if not found:
@@ -90,6 +112,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=100.0, help="seconds of demo load before the picture")
     args = parser.parse_args(argv)
     chromium, prometheus = _chromium(), _prometheus_binary()
+    _web_ui(prometheus)
     work = Path(tempfile.mkdtemp(prefix="llmq-shot-"))
     procs: list[subprocess.Popen] = []
     broker = LocalBroker(free_port(), work / "kafka", kafka_version=Settings().broker.kafka_version, progress=_say)
@@ -133,7 +156,7 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                        f"--user-data-dir={work / 'chromium'}", "--hide-scrollbars", "--window-size=1400,1900",
+                        f"--user-data-dir={work / 'chromium'}", "--hide-scrollbars", "--window-size=1400,2650",
                         "--virtual-time-budget=15000", f"--screenshot={args.out}",
                         graph_url(base, int(args.seconds))],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)

@@ -139,7 +139,7 @@ class LagReader:
             groups = self._describe(names)
             committed = self._committed(names)
             topics, brokers = self._metadata()
-            self._add_uncommitted(committed, groups, topics)
+            self._add_uncommitted(committed, groups, topics, self._pipeline_topics() | {self.settings.topics.receipts})
             exported = {t for (_, t, _) in committed} | (self._pipeline_topics() & topics.keys())
             # Only partitions the metadata knows: offsets a group once committed on a topic since
             # deleted must not fail every refresh (they read as an empty log).
@@ -203,13 +203,19 @@ class LagReader:
         return out
 
     @staticmethod
-    def _add_uncommitted(committed: dict, groups: dict[str, GroupInfo], topics: dict[str, list[int]]) -> None:
-        """Partitions of a group's topics it never committed: all their data is lag."""
+    def _add_uncommitted(committed: dict, groups: dict[str, GroupInfo], topics: dict[str, list[int]],
+                         work_topics: set[str]) -> None:
+        """Partitions of a group's topics it never committed: all their data is lag.
+
+        A group's topics are those it committed on, and the pipeline's ``work_topics`` its members
+        are assigned. Other assigned topics are state read by position, never committed: a Faust
+        gateway's table changelogs and its assignor's topic. Counting them would show the whole
+        changelog as a backlog that grows with every admission."""
         topics_of: dict[str, set[str]] = {}
         for (g, t, _) in committed:
             topics_of.setdefault(g, set()).add(t)
         for g, info in groups.items():
-            topics_of.setdefault(g, set()).update(info.topic_members)
+            topics_of.setdefault(g, set()).update(t for t in info.topic_members if t in work_topics)
         for g, ts in topics_of.items():
             for t in ts:
                 for p in topics.get(t, ()):

@@ -107,3 +107,16 @@ def test_lag_is_never_negative_and_counts_only_what_retention_kept():
     assert lags == {"0": 0, "1": 10, "2": 20}
     assert s[("kafka_consumergroup_current_offset_sum", (g, ("topic", low)))] == 53
     assert s[("kafka_topic_partition_oldest_offset", (("partition", "1"), ("topic", low)))] == 90
+
+
+def test_assigned_topics_a_group_never_commits_count_as_lag_only_when_they_are_work_topics():
+    # A gateway's members are assigned its table changelogs too (standbys, recovery); Faust reads
+    # them by position and never commits there, so they are not a backlog.
+    committed: dict = {("gw", "llm.requests.high", 0): 5}
+    groups = {"gw": lag.GroupInfo("gw", "STABLE", 2, {"llm.requests.high": 2, "llm.responses": 2,
+                                                      "gw-seen-changelog": 2, "gw-__assignor-__leader": 1})}
+    topics = {"llm.requests.high": [0, 1], "llm.responses": [0, 1], "gw-seen-changelog": [0, 1],
+              "gw-__assignor-__leader": [0]}
+    lag.LagReader._add_uncommitted(committed, groups, topics, {"llm.requests.high", "llm.responses"})
+    assert committed == {("gw", "llm.requests.high", 0): 5, ("gw", "llm.requests.high", 1): None,
+                         ("gw", "llm.responses", 0): None, ("gw", "llm.responses", 1): None}
