@@ -21,9 +21,9 @@ its session times out, where a dynamic member hands them over at once.
     LLMQ_BENCH_BOOTSTRAP=127.0.0.1:9092 python bench/failover_bench.py worker
 
 The broker bounds a classic group's session (every gateway is a Faust, i.e. classic, group member)
-with ``group.min.session.timeout.ms``, 6 s unless the broker sets it lower; ``--broker-min-session-ms``
-starts this script's own broker with another value. A session below the broker's minimum is not
-asked for: the session measured is said in the result.
+with ``group.min.session.timeout.ms``: Kafka's default is 6 s, ``llmq broker``'s (and so this
+script's own broker's) 1 s; ``--broker-min-session-ms`` starts it with another value. Like a
+gateway, the scenario asks for a session within the broker's bounds, and says the one it measured.
 """
 
 from __future__ import annotations
@@ -49,18 +49,17 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition  # noqa: E402
-from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType  # noqa: E402
+from confluent_kafka.admin import AdminClient  # noqa: E402
 
 from pipeline.broker import LocalBroker, free_port  # noqa: E402
 from pipeline.config import Settings  # noqa: E402
+from pipeline.gateway.membership import (KAFKA_DEFAULT_BOUNDS_MS, broker_session_bounds, heartbeat_ms,  # noqa: E402
+                                         session_within)
 from pipeline.partitioning import tenant_partition  # noqa: E402
 from pipeline.models import Priority, Request  # noqa: E402
 from pipeline.serde import Codec  # noqa: E402
 from pipeline.testing import produce_request  # noqa: E402
 from pipeline.topics import create_pipeline_topics  # noqa: E402
-
-#: The classic group protocol's minimum session on a broker that does not set it.
-KAFKA_DEFAULT_MIN_SESSION_MS = 6_000
 
 GATEWAY_TOML = """
 [gateway]
@@ -330,16 +329,6 @@ def partition_owner(admin: AdminClient, group: str, topic: str, partition: int) 
     return None
 
 
-def broker_min_session_ms(admin: AdminClient) -> int:
-    """The broker's group.min.session.timeout.ms (the classic protocol's lower bound)."""
-    meta = admin.list_topics(timeout=10)
-    broker_id = str(next(iter(meta.brokers)))
-    resource = ConfigResource(ResourceType.BROKER, broker_id)
-    configs = admin.describe_configs([resource])[resource].result()
-    entry = configs.get("group.min.session.timeout.ms")
-    return int(entry.value) if entry is not None and entry.value is not None else KAFKA_DEFAULT_MIN_SESSION_MS
-
-
 def _fresh(settings: Settings, tag: str) -> Settings:
     s = Settings.load(env={})
     s.kafka.bootstrap = settings.kafka.bootstrap
@@ -363,11 +352,13 @@ def gateway_failover(settings: Settings, args) -> dict:
     extra_env = dict(getattr(args, "gateway_env", None) or {})
     s = _fresh(settings, "gwf")
     admin = AdminClient(s.kafka.admin_config())
-    floor = broker_min_session_ms(admin)
+    # As each gateway will: the session asked for, within the broker's bounds.
+    bounds = broker_session_bounds(admin) or KAFKA_DEFAULT_BOUNDS_MS
+    floor = bounds[0]
     asked = getattr(args, "session_timeout_ms", None) or s.gateway.session_timeout_ms
-    session_ms = max(asked, floor)
+    session_ms = session_within(asked, bounds)
     if session_ms != asked:
-        _log(f"gateway_failover: the broker's group.min.session.timeout.ms is {floor}; measuring with a "
+        _log(f"gateway_failover: the broker allows sessions of {bounds[0]} to {bounds[1]} ms; measuring with a "
              f"{session_ms}-ms session instead of {asked}")
     env = {"LLMQ_GATEWAY__SESSION_TIMEOUT_MS": str(session_ms), **extra_env}
     app_id = f"{s.topics.prefix}-gw"
@@ -434,7 +425,7 @@ def gateway_failover(settings: Settings, args) -> dict:
     return {"median_s": round(statistics.median(took), 3), "target_s": 5.0, "kills": len(results),
             "max_s": max(took), "min_s": min(took), "runs_s": took,
             "gateways": gateways_n, "static_membership": static,
-            "session_timeout_ms": session_ms, "heartbeat_interval_ms": session_ms // 5,
+            "session_timeout_ms": session_ms, "heartbeat_interval_ms": heartbeat_ms(session_ms),
             "broker_min_session_ms": floor, "load_per_s": rate, "tenants": len(tenants),
             "standby_replicas": int(extra_env.get("TABLE_STANDBY_REPLICAS", 1)), "faust_env": extra_env,
             "runs": results, "exit_codes": codes,
@@ -649,7 +640,7 @@ def main(argv=None) -> int:
     parser.add_argument("--faust-env", action="append", default=[], metavar="NAME=VALUE",
                         help="a Faust setting by its environment variable (e.g. TABLE_STANDBY_REPLICAS=0)")
     parser.add_argument("--broker-min-session-ms", type=int,
-                        help="this script's own broker: group.min.session.timeout.ms (Kafka's default 6000)")
+                        help="this script's own broker: group.min.session.timeout.ms (llmq broker's 1000; Kafka's 6000)")
     parser.add_argument("--keep-logs", type=Path, help="copy the processes' logs here")
     parser.add_argument("--out", type=Path, help="also write the result (JSON) here")
     args = parser.parse_args(argv)

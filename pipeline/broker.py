@@ -400,6 +400,10 @@ class LocalBroker:
             "share.coordinator.state.topic.replication.factor": "1",
             "share.coordinator.state.topic.min.isr": "1",
             "group.initial.rebalance.delay.ms": "0",
+            # Classic groups (the gateways: Faust's consumer) may ask for sessions down to 1 s:
+            # a killed gateway's partitions move once its session (gateway.session_timeout_ms)
+            # expires, and Kafka's 6-s minimum alone would put failover past 6 s.
+            "group.min.session.timeout.ms": "1000",
             # Consumer-protocol groups (KIP-848) may ask for a short session, as a test or a
             # demo wants: a crashed worker's partitions move in seconds (workers set their
             # group's consumer.session.timeout.ms); heartbeats carry new assignments.

@@ -87,8 +87,10 @@ class GatewaySettings:
     urgent_ms: int = 2_000
     urgent_eta_factor: float = 2.0
     #: Load (a band's waits over target_queue_ms; at most 10) at or above which non-critical work
-    #: moves down a band; above 10 never.
+    #: moves down a band; above 10 never. Only the work of tenants holding at least
+    #: load_spared_share of the band's queue moves: the others did not load it.
     high_load: float = 0.8
+    load_spared_share: float = 0.1
     #: How much queued work, in time at the current drain rate, counts as full load (1.0).
     target_queue_ms: int = 2_000
     #: Token buckets per tenant: name → {window_ms, requests, tokens, burst, token_burst, scope}.
@@ -134,9 +136,13 @@ class GatewaySettings:
     #: How long outputs wait to be sent together (linger.ms of the gateway's producer).
     producer_linger_ms: int = 2
     #: How long the group waits for a gateway that stopped heartbeating (crashed, killed, its
-    #: host gone) before its request partitions go to another gateway. Faust's default is 60 s;
-    #: the broker bounds it with group.min/max.session.timeout.ms (6 s to 30 min by default).
-    session_timeout_ms: int = 10_000
+    #: host gone) before its request partitions go to another gateway: most of a failover, which
+    #: takes about a second more. Faust's default is 60 s. Heartbeats go every fifth of it, so a
+    #: gateway whose event loop stalls for longer than about this is taken for dead. The broker
+    #: bounds it with group.min/max.session.timeout.ms (6 s to 30 min unless set; `llmq broker`
+    #: and the compose file allow 1 s); a gateway asking for less joins with the broker's minimum
+    #: and says so (gateway/membership.py).
+    session_timeout_ms: int = 3_000
     #: Static group membership (group.instance.id), e.g. the pod name of a StatefulSet: a
     #: gateway restarted under the same id within session_timeout_ms takes its partitions
     #: back at once. One that stops for good keeps its partitions until the session times out.
@@ -183,6 +189,9 @@ class GatewaySettings:
         for key in ("max_timeout_ms", "urgent_eta_factor", "target_queue_ms", "depth_refresh_ms", "state_flush_ms"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"gateway.{key}", f"must be > 0, got {getattr(self, key)!r}")
+        if not 0 <= self.load_spared_share <= 1:
+            raise ConfigError("gateway.load_spared_share", f"must be a share from 0 (spare nobody) to 1, "
+                                                           f"got {self.load_spared_share!r}")
         for key in ("high_load", "degrade_load"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"gateway.{key}", "must be a load above 0 (1.0 = waits of target_queue_ms; "

@@ -37,6 +37,7 @@ from pipeline.gateway.checkpoint import Checkpoint
 from pipeline.gateway.completions import Completions
 from pipeline.gateway.depths import DispatchDepths, Reading
 from pipeline.gateway.intake import Intake
+from pipeline.gateway.membership import broker_session_bounds, choose_session_ms, heartbeat_ms
 from pipeline.gateway.outputs import Outputs
 from pipeline.gateway.partitions import Ownership, partitioner
 from pipeline.gateway.positions import HoleReader, ReadPositions, committed_or_start
@@ -101,7 +102,7 @@ class Gateway:
             producer_linger=g.producer_linger_ms / 1000.0, producer_acks=-1, producer_partitioner=partitioner,
             consumer_auto_offset_reset="earliest", broker_commit_interval=1.0,
             broker_session_timeout=g.session_timeout_ms / 1000.0,
-            broker_heartbeat_interval=g.session_timeout_ms / 5000.0,
+            broker_heartbeat_interval=heartbeat_ms(g.session_timeout_ms) / 1000.0,
             consumer_group_instance_id=g.instance_id or None,
             ConsumerScheduler=BandFirst.for_topics(self.request_ranks),
             web_enabled=bool(port), web_port=port or 6066, web_bind=g.web_host, datadir=str(datadir))
@@ -129,7 +130,8 @@ class Gateway:
         default_limits, tenant_limits = g.rate_limits()
         self.admission = Admission(
             PriorityPolicy(tier_offsets=dict(g.tier_offsets), urgent_ms=g.urgent_ms,
-                           urgent_eta_factor=g.urgent_eta_factor, high_load=g.high_load),
+                           urgent_eta_factor=g.urgent_eta_factor, high_load=g.high_load,
+                           load_spared_share=g.load_spared_share),
             RateLimits(default_limits, tenant_limits, lookup=self._registered_limits),
             FairnessQuotas(g.band_ints("tenant_outstanding"), floor=Priority(g.demote_floor),
                            tenant_caps=dict(g.tenant_outstanding_overrides), lookup=self._registered_caps),
@@ -316,10 +318,22 @@ class Gateway:
                             + ", ".join(f"{t} ({have}, expected {want})" for t, want, have in report.mismatched))
         wait_visible(admin, [s.name for s in specs], timeout)
 
+    def join_within_broker_bounds(self) -> None:
+        """Ask for gateway.session_timeout_ms as far as the broker allows it (see membership.py):
+        a session outside its bounds would make every join fail."""
+        from confluent_kafka.admin import AdminClient
+
+        asked = self.settings.gateway.session_timeout_ms
+        session = choose_session_ms(asked, broker_session_bounds(AdminClient(self.settings.kafka.admin_config())))
+        if session != asked:
+            self.app.conf.broker_session_timeout = session / 1000.0
+            self.app.conf.broker_heartbeat_interval = heartbeat_ms(session) / 1000.0
+
     def run(self, loglevel: str = "INFO") -> None:
         """Run until SIGTERM/SIGINT (then: write and deliver what is decided, commit, leave the
         group). Exits the process."""
         self.ensure_internal_topics()
+        self.join_within_broker_bounds()
         # Before the first request: a tenant is never decided on without its record.
         self.registry.start(wait_s=30.0)
         worker = _GatewayWorker(self.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
