@@ -3,7 +3,8 @@
 One figure, the comparisons a user asks about first, each beside its baseline from the same run:
 
 * CRITICAL's queue-wait p99 alone and under a BACKGROUND flood, llmq's bands against one FIFO topic;
-* a quiet tenant's wait p99 alone and beside a tenant flooding the same band, with the Jain index;
+* a quiet tenant's wait p99 alone and beside a tenant flooding the same band, with the Jain index,
+  and beside the same flooder on one FIFO partition;
 * CRITICAL's wait on a busy model server, llmq's pacing against a naive 64 in flight.
 
 A scenario missing from results.json leaves its panel saying so instead of failing the run.
@@ -74,7 +75,8 @@ def draw(results: dict, out: Path) -> Path:
         jain = fair.get("jain_index")
         _bars(axes[1], title + (f" (Jain {jain:.2f})" if isinstance(jain, (int, float)) else ""),
               ["alone", "with flooder"],
-              [("llmq (fair shares)", [fair.get("quiet_p99_alone_ms"), fair.get("quiet_p99_with_flooder_ms")], LLMQ)],
+              [("llmq (fair shares)", [fair.get("quiet_p99_alone_ms"), fair.get("quiet_p99_with_flooder_ms")], LLMQ),
+               ("FIFO (one partition)", [None, fair.get("baseline_fifo_p99_with_flooder_ms")], BASELINE)],
               "ms")
     else:
         _missing(axes[1], title, "tenant_fairness")

@@ -609,17 +609,23 @@ def priority_isolation(settings: Settings, args) -> dict:
 # -- tenant_fairness --------------------------------------------------------------------------
 
 
-def _quiet_waits(settings: Settings, tmp: Path, *, flooder: bool) -> tuple[list[float], dict]:
-    s = fresh(settings)
+def _quiet_waits(settings: Settings, tmp: Path, *, flooder: bool, fifo: bool = False) -> tuple[list[float], dict]:
+    """The quiet tenant's waits, in ms. ``fifo``: the baseline without llmq, both tenants on one
+    partition of one topic read in order by the same worker, no gateway and no fair preemption."""
+    s = fresh(settings, partitions={"request": 1} if fifo else None)
     # The quota is what keeps a flooder from filling the band: over it, its requests go one band down.
-    gw = GatewayProcess(s, gateway_config(FAIRNESS_OVERRIDES), tmp)
+    gw = None if fifo else GatewayProcess(s, gateway_config(FAIRNESS_OVERRIDES), tmp)
     capacity = 200.0
     # `llmq worker` in its own process, as deployed (and as the other scenarios run it): a
     # thread here shared the interpreter lock with the load generator, whose work grows with
     # the flood (the quiet tenant's p99 alone ranged 20-33 ms over four rounds, 19-21 this way).
-    workers = WorkerProcess(s, tmp, inflight=2, latency_ms=10)
+    fifo_env = {"LLMQ_WORKER__SOURCE": "requests", "LLMQ_WORKER__POOL": "all",
+                "LLMQ_WORKER__FAIR_PREEMPTION": "false"} if fifo else None
+    workers = WorkerProcess(s, tmp, inflight=2, latency_ms=10, env=fifo_env)
     try:
-        warm_up(s, bands=(Priority.NORMAL, Priority.LOW))
+        # Both tenants' partitions written once: a partition's first write (the broker creates
+        # its segment) took the first second's waits to 100 ms and set the quiet tenant's p99.
+        warm_up(s, bands=(Priority.NORMAL,) if fifo else (Priority.NORMAL, Priority.LOW), tenants=("quiet", "flooder"))
         seconds, quiet_rate = FAIRNESS_SECONDS, QUIET_PER_S
         events = [(i / quiet_rate, "quiet") for i in range(seconds * quiet_rate)]
         if flooder:
@@ -659,7 +665,8 @@ def _quiet_waits(settings: Settings, tmp: Path, *, flooder: bool) -> tuple[list[
         return waits, {"capacity_per_s": capacity, "quiet_sent": len(sent), "quiet_started": len(started)}
     finally:
         workers.stop()
-        gw.stop()
+        if gw is not None:
+            gw.stop()
         drop_topics(s)  # each round on a broker without the earlier rounds' partitions
 
 
@@ -740,8 +747,12 @@ def tenant_fairness(settings: Settings, args) -> dict:
                 out[kind], out[f"{kind}_steal_pct"] = p99(waits), machine_load(before, cpu_times()).get("steal_pct")
                 if out[kind] >= KEEP_LOGS_OVER_MS:
                     kept.append(keep_logs(logs, f"tenant_fairness-{kind}{r}"))
+            logs = Path(tmp) / f"fifo{r}"
+            logs.mkdir()
+            out["fifo_flood"] = p99(_quiet_waits(settings, logs, flooder=True, fifo=True)[0])
             _log(f"  quiet tenant p99: alone {out['alone']} ms, next to the flooder {out['flood']} ms "
-                 f"(steal {out['alone_steal_pct']} / {out['flood_steal_pct']} %)")
+                 f"(steal {out['alone_steal_pct']} / {out['flood_steal_pct']} %); "
+                 f"FIFO next to the flooder {out['fifo_flood']} ms")
             return out
 
         chosen, aside, quiet = quiet_rounds(one_round, rounds)
@@ -749,7 +760,11 @@ def tenant_fairness(settings: Settings, args) -> dict:
     info = chosen[-1]["info"]
     alone_runs, flood_runs = [r["alone"] for r in chosen], [r["flood"] for r in chosen]
     a, f = statistics.median(alone_runs), statistics.median(flood_runs)
+    fifo_runs = [r["fifo_flood"] for r in chosen]
     return {"quiet_p99_alone_ms": a, "quiet_p99_with_flooder_ms": f, "ratio": round(f / max(a, 1), 3),
+            "baseline_fifo_p99_with_flooder_ms": statistics.median(fifo_runs), "baseline_fifo_runs_ms": fifo_runs,
+            "baseline_fifo": "no gateway: both tenants on one partition of one NORMAL topic, read in order by "
+                             "the same worker (2 slots, 10-ms calls), fair preemption off",
             "jain_index": jain, **info, "quiet_per_s": QUIET_PER_S, "flooder_per_s": FLOODER_PER_S,
             "alone_runs_ms": alone_runs, "flood_runs_ms": flood_runs,
             "alone_runs_steal_pct": [r["alone_steal_pct"] for r in chosen],

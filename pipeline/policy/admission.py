@@ -7,7 +7,7 @@ that is not admitted):
 2. already cancelled                   → CANCELLED
 3. deadline passed (the client's timeout, capped at the server's max)
                                        → EXPIRED
-4. effective priority (tier, urgency, load)
+4. effective priority (tier, urgency, and load for tenants holding much of the band's queue)
 5. fairness: the tenant's outstanding cap in that band; demote down to the floor
                                        → REJECTED quota_exceeded + retry_after_ms
 6. bounded queue of the band           → REJECTED queue_full + retry_after_ms (drain rate)
@@ -126,10 +126,13 @@ class Admission:
             return Decision(Action.EXPIRE, f"expired: deadline passed {-left} ms before admission")
 
         queues, quotas, tenant = self.queues, self.quotas, req.tenant_id
-        load = queues.load(req.priority.rank)
-        eta = queues.eta_ms(req.priority.rank)
+        asked = req.priority.rank
+        load = queues.load(asked)
+        eta = queues.eta_ms(asked)
+        # The tenant's requests admitted and unfinished in the band, against what the band holds.
+        share = state.outstanding[asked] / max(1, queues.depth[asked])
         wanted = effective_priority(req.priority, req.user_tier, left, eta if eta < _UNKNOWN else 0.0, load,
-                                    self.priority)
+                                    self.priority, share)
         notes = wanted.reasons
         effective = wanted.effective
         placement = quotas.place(tenant, effective, state.outstanding)

@@ -21,8 +21,8 @@ def test_a_fairness_round_with_steal_on_either_side_is_set_aside_and_made_again(
     # round 2's flooded half and round 5's alone half were stolen from
     _stand_ins(monkeypatch, gateway_bench, [0.1, 0.2, 0.3, 9.0] + [0.1] * 6 + [25.0, 0.1] + [0.1] * 8)
     half = itertools.count(1)
-    monkeypatch.setattr(gateway_bench, "_quiet_waits",
-                        lambda settings, logs, flooder: ([float(next(half))] * 10, {"capacity_per_s": 200.0}))
+    monkeypatch.setattr(gateway_bench, "_quiet_waits", lambda settings, logs, flooder, fifo=False: (
+        [1000.0 if fifo else float(next(half))] * 10, {"capacity_per_s": 200.0}))
     monkeypatch.setattr(gateway_bench, "_jain", lambda settings, tmp: 0.9)
     result = gateway_bench.tenant_fairness(None, None)
     assert result["quiet_machine"] is True and result["steal_limit_pct"] == 2.0
@@ -31,6 +31,8 @@ def test_a_fairness_round_with_steal_on_either_side_is_set_aside_and_made_again(
         {"alone": 3, "flood": 4, "alone_steal_pct": 0.3, "flood_steal_pct": 9.0},
         {"alone": 11, "flood": 12, "alone_steal_pct": 25.0, "flood_steal_pct": 0.1}]
     assert result["flood_runs_steal_pct"] == [0.2] + [0.1] * 6
+    # Each kept round has its FIFO baseline beside the same flooder.
+    assert result["baseline_fifo_runs_ms"] == [1000.0] * 7 and result["baseline_fifo_p99_with_flooder_ms"] == 1000.0
 
 
 def test_priority_isolation_keeps_three_quiet_rounds_each_with_its_fifo_baseline(bench_run, monkeypatch):

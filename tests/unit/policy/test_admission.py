@@ -90,8 +90,17 @@ def test_a_full_band_rejects_queue_full_and_a_rate_limit_is_not_spent():
 def test_a_deadline_the_queue_cannot_meet_expires_at_once():
     adm = make()
     draining(adm, 100, depths=(0, 0, 1_000, 0, 0))  # 10 s of work ahead at 100/s
-    d = adm.decide(req(timeout_ms=5_000, prompt="x"), NOW, TenantState())
+    # The tenant's own backlog: the load moves its urgent request back down to NORMAL.
+    d = adm.decide(req(timeout_ms=5_000, prompt="x"), NOW, TenantState(outstanding=[0, 0, 1_000, 0, 0]))
     assert d.action is Action.EXPIRE and "cannot be met" in d.reason
+
+
+def test_a_tenant_with_nothing_queued_in_a_loaded_band_keeps_its_band_and_its_urgency():
+    adm = make()
+    draining(adm, 100, depths=(0, 0, 1_000, 0, 0))  # someone else's 10 s of work
+    d = adm.decide(req(timeout_ms=5_000, prompt="x"), NOW, TenantState())
+    assert d.action is Action.DISPATCH and d.band is Priority.HIGH and d.notes == ("deadline urgent +1",)
+    assert adm.decide(req(prompt="x"), NOW, TenantState()).band is Priority.NORMAL
 
 
 def test_under_load_a_simple_request_that_allows_it_gets_the_smaller_model():

@@ -58,3 +58,16 @@ def test_a_band_above_the_highest_promotion_is_clamped_even_when_nothing_else_mo
     policy = PriorityPolicy(highest_promoted=Priority.NORMAL)
     d = effective_priority(Priority.HIGH, "standard", 60_000, 100.0, 0.1, policy)
     assert d.effective is Priority.NORMAL and d.requested is Priority.HIGH
+
+
+def test_high_load_spares_a_tenant_holding_little_of_the_bands_queue():
+    # The flooder made the load; the quiet tenant with 1 of the band's 200 queued keeps its band.
+    assert decide(Priority.NORMAL, load=0.9, queue_share=1 / 200).effective is Priority.NORMAL
+    d = decide(Priority.NORMAL, load=0.9, queue_share=0.6)
+    assert d.effective is Priority.LOW and d.reasons == ("load 90% -1",)
+    assert decide(Priority.NORMAL, load=0.9, queue_share=POLICY.load_spared_share).effective is Priority.LOW
+
+
+def test_sparing_nobody_demotes_every_tenant_under_load():
+    policy = PriorityPolicy(load_spared_share=0.0)
+    assert effective_priority(Priority.NORMAL, "standard", 60_000, 0, 0.9, policy, 0.0).effective is Priority.LOW
