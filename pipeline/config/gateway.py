@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -10,6 +11,8 @@ from pipeline.errors import ConfigError
 from pipeline.models import Priority
 
 _LIMIT_KEYS = ("window_ms", "requests", "tokens", "scope", "burst", "token_burst")
+#: What [gateway.shadow] may replace: the limits an operator tries out before enforcing them.
+SHADOW_KEYS = ("limits", "tenant_limits", "tenant_outstanding", "tenant_outstanding_overrides", "queue_caps")
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,14 @@ def _limits(path: str, table: Any) -> list[RateLimitSettings]:
         limit.check(f"{path}.{name}")
         out.append(limit)
     return out
+
+
+def _check_overrides(path: str, overrides: Mapping) -> None:
+    for tenant, caps in overrides.items():
+        if not isinstance(caps, Mapping):
+            raise ConfigError(f"{path}.{tenant}", "must be a table band → cap")
+        for band in caps:
+            check_band(f"{path}.{tenant}.{band}", band)
 
 
 @dataclass
@@ -148,6 +159,10 @@ class GatewaySettings:
     #: back at once. One that stops for good keeps its partitions until the session times out.
     #: Empty (the default) = dynamic membership.
     instance_id: str = ""
+    #: Shadow limits: any of SHADOW_KEYS, replacing the key of the same name in a second policy
+    #: that judges every request beside the real one. Its verdicts are only counted
+    #: (llmq_gateway_shadow_decisions_total); admission follows the real policy. {} = off.
+    shadow: dict[str, Any] = field(default_factory=dict)
 
     # -- typed views of the tables above (also what validate() checks) -------------------
 
@@ -156,17 +171,42 @@ class GatewaySettings:
         per_tenant = {t: _limits(f"gateway.tenant_limits.{t}", v) for t, v in self.tenant_limits.items()}
         return default, per_tenant
 
-    def band_ints(self, key: str) -> dict[str, int]:
+    def band_ints(self, key: str, section: str = "gateway") -> dict[str, int]:
         out = {}
-        for band, value in getattr(self, key).items():
-            check_band(f"gateway.{key}.{band}", band)
+        table = getattr(self, key)
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{section}.{key}", "must be a table band → integer")
+        for band, value in table.items():
+            check_band(f"{section}.{key}.{band}", band)
             try:
                 out[band] = int(value)
             except (TypeError, ValueError):
-                raise ConfigError(f"gateway.{key}.{band}", f"must be an integer, got {value!r}") from None
+                raise ConfigError(f"{section}.{key}.{band}", f"must be an integer, got {value!r}") from None
             if out[band] < 0:
-                raise ConfigError(f"gateway.{key}.{band}", "must be >= 0")
+                raise ConfigError(f"{section}.{key}.{band}", "must be >= 0")
         return out
+
+    def shadow_policy(self) -> "GatewaySettings | None":
+        """The settings of the shadow policy: these, with [gateway.shadow]'s keys replaced (None: no shadow)."""
+        if not self.shadow:
+            return None
+        return dataclasses.replace(self, shadow={}, **{k: dict(v) for k, v in self.shadow.items()})
+
+    def _check_shadow(self) -> None:
+        for key, value in self.shadow.items():
+            if key not in SHADOW_KEYS:
+                raise ConfigError(f"gateway.shadow.{key}", f"cannot be shadowed (known: {', '.join(SHADOW_KEYS)})")
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"gateway.shadow.{key}", f"must be a table, as gateway.{key} is")
+        shadow = self.shadow_policy()
+        if shadow is None:
+            return
+        _limits("gateway.shadow.limits", shadow.limits)
+        for tenant, table in shadow.tenant_limits.items():
+            _limits(f"gateway.shadow.tenant_limits.{tenant}", table)
+        shadow.band_ints("tenant_outstanding", "gateway.shadow")
+        shadow.band_ints("queue_caps", "gateway.shadow")
+        _check_overrides("gateway.shadow.tenant_outstanding_overrides", shadow.tenant_outstanding_overrides)
 
     def validate(self) -> None:
         self.rate_limits()
@@ -175,11 +215,8 @@ class GatewaySettings:
                 raise ConfigError(f"gateway.tier_offsets.{tier}", f"must be an integer between -4 and 4, got {off!r}")
         self.band_ints("tenant_outstanding")
         self.band_ints("queue_caps")
-        for tenant, caps in self.tenant_outstanding_overrides.items():
-            if not isinstance(caps, Mapping):
-                raise ConfigError(f"gateway.tenant_outstanding_overrides.{tenant}", "must be a table band → cap")
-            for band in caps:
-                check_band(f"gateway.tenant_outstanding_overrides.{tenant}.{band}", band)
+        _check_overrides("gateway.tenant_outstanding_overrides", self.tenant_outstanding_overrides)
+        self._check_shadow()
         if self.demote_floor not in Priority.__members__:
             raise ConfigError("gateway.demote_floor", f"unknown band (known: {BAND_NAMES})")
         if self.processing_guarantee != "at-least-once":

@@ -48,7 +48,8 @@ from pipeline.observability.metrics import GatewayMetrics
 from pipeline.policy.admission import Admission, DegradePolicy, RateLimits
 from pipeline.policy.fairness import FairnessQuotas
 from pipeline.policy.priority import PriorityPolicy
-from pipeline.policy.queues import QueueModel
+from pipeline.policy.queues import CappedView, QueueModel
+from pipeline.policy.shadow import Shadow
 from pipeline.runtime import freeze_long_lived
 from pipeline.serde.factory import codec_for
 from pipeline.tenants.registry import TenantRegistry
@@ -127,18 +128,15 @@ class Gateway:
         # Who a tenant is (tier, highest band, models, signatures) and its own limits and caps:
         # read live from the registry topic; the config's per-tenant tables still win.
         self.registry = TenantRegistry(settings)
-        default_limits, tenant_limits = g.rate_limits()
-        self.admission = Admission(
-            PriorityPolicy(tier_offsets=dict(g.tier_offsets), urgent_ms=g.urgent_ms,
-                           urgent_eta_factor=g.urgent_eta_factor, high_load=g.high_load,
-                           load_spared_share=g.load_spared_share),
-            RateLimits(default_limits, tenant_limits, lookup=self._registered_limits),
-            FairnessQuotas(g.band_ints("tenant_outstanding"), floor=Priority(g.demote_floor),
-                           tenant_caps=dict(g.tenant_outstanding_overrides), lookup=self._registered_caps),
-            self.queues,
-            DegradePolicy(load=g.degrade_load, downgrade=dict(g.downgrade), simple_prompt_tokens=g.simple_prompt_tokens,
-                          simple_max_tokens=g.simple_max_tokens),
-            max_timeout_ms=g.max_timeout_ms, topics_prefix=t.prefix)
+        self.admission = self._admission(g, self.queues)
+        shadowed = g.shadow_policy()
+        self.shadow = None
+        if shadowed is not None:
+            shadow_caps = shadowed.band_ints("queue_caps")
+            self.shadow = Shadow(self._admission(shadowed, CappedView(self.queues, [shadow_caps.get(p.value, 0)
+                                                                                    for p in BANDS])))
+            log.info("shadow policy on: %s judged beside the real policy, counted in "
+                     "llmq_gateway_shadow_decisions_total, never enforced", ", ".join(sorted(g.shadow)))
         self.cancellations: CancellationView | None = None
         self._reload = True  # after a rebalance: memory is rebuilt from the recovered tables
         self._stopping = False
@@ -149,7 +147,7 @@ class Gateway:
         common = dict(codec=self.codec, admission=self.admission, tenants=self.tenants, seen=self.seen,
                       checkpoint=self.checkpoint, metrics=self.metrics)
         self.intake = Intake(wire=settings.serde.wire_format, topics=t, cancelled=self._cancelled,
-                             authorize=self.registry.authorize, **common)
+                             authorize=self.registry.authorize, shadow=self.shadow, **common)
         self.completions = Completions(partitions=t.request_partitions, receipts=t.receipts, **common)
         self.depths = DispatchDepths(settings, self._reading, interval_s=g.depth_refresh_ms / 1000.0)
         self._wire()
@@ -220,6 +218,21 @@ class Gateway:
         app.page("/v1/queue")(queue_view)
         app.page("/metrics")(metrics_view)
 
+    def _admission(self, g, queues) -> Admission:
+        """The admission policy of settings ``g`` (the real one, or the shadow's), over ``queues``."""
+        default_limits, tenant_limits = g.rate_limits()
+        return Admission(
+            PriorityPolicy(tier_offsets=dict(g.tier_offsets), urgent_ms=g.urgent_ms,
+                           urgent_eta_factor=g.urgent_eta_factor, high_load=g.high_load,
+                           load_spared_share=g.load_spared_share),
+            RateLimits(default_limits, tenant_limits, lookup=self._registered_limits),
+            FairnessQuotas(g.band_ints("tenant_outstanding"), floor=Priority(g.demote_floor),
+                           tenant_caps=dict(g.tenant_outstanding_overrides), lookup=self._registered_caps),
+            queues,
+            DegradePolicy(load=g.degrade_load, downgrade=dict(g.downgrade), simple_prompt_tokens=g.simple_prompt_tokens,
+                          simple_max_tokens=g.simple_max_tokens),
+            max_timeout_ms=g.max_timeout_ms, topics_prefix=self.settings.topics.prefix)
+
     def _registered_limits(self, tenant: str):
         record = self.registry.get(tenant)
         return None if record is None else record.limits
@@ -272,7 +285,10 @@ class Gateway:
         m.load.labels().set(snap["bands"][Priority.NORMAL.value]["load"])
 
     async def _sweep(self) -> None:
-        self.tenants.sweep(now_ms())
+        now = now_ms()
+        self.tenants.sweep(now)
+        if self.shadow is not None:
+            self.shadow.sweep(now)
 
     def queue_snapshot(self) -> dict:
         """What GET /v1/queue answers: per band depth, cap and ETA, the drain rate and the load."""

@@ -30,13 +30,17 @@ from pipeline.gateway.seen import RecentIds, Seen
 from pipeline.gateway.tenant_states import TenantStates
 from pipeline.models import BANDS, Priority, Request, Response, Status, now_ms
 from pipeline.observability.metrics import GatewayMetrics, reason_code
-from pipeline.policy.admission import Action, Admission
+from pipeline.policy.admission import Action, Admission, Decision
+from pipeline.policy.shadow import Shadow
 from pipeline.tenants.policy import Authorization
 
 log = logging.getLogger(__name__)
 
 _STATUS = {Action.REJECT: Status.REJECTED, Action.EXPIRE: Status.EXPIRED, Action.CANCEL: Status.CANCELLED}
 _OUTCOME = {Status.REJECTED: "rejected", Status.EXPIRED: "expired", Status.CANCELLED: "cancelled"}
+#: A decision as the metrics name it.
+_DECIDED = {Action.DISPATCH: "admitted", Action.REJECT: "rejected", Action.EXPIRE: "expired",
+            Action.CANCEL: "cancelled"}
 
 
 #: The furthest back a request's record timestamp is believed (a producer's clock may be off).
@@ -54,7 +58,7 @@ def arrival_ms(timestamp_s: float | None, now: int) -> int:
 class Intake:
     def __init__(self, *, codec, wire: str, admission: Admission, tenants: TenantStates, seen: RecentIds,
                  checkpoint: Checkpoint, topics, metrics: GatewayMetrics, cancelled=lambda request_id: False,
-                 authorize: Callable[..., Authorization] | None = None):
+                 authorize: Callable[..., Authorization] | None = None, shadow: Shadow | None = None):
         self.codec = codec
         self.wire = wire
         self.admission = admission
@@ -65,6 +69,8 @@ class Intake:
         self.cancelled = cancelled
         #: The tenant registry's verdict (pipeline/tenants/policy.py); None: every tenant as it says.
         self.authorize = authorize
+        #: The shadow policy ([gateway.shadow]), judged and counted beside the real one; None: off.
+        self.shadow = shadow
         self.responses = topics.responses
         self.response_partitions = topics.response_partitions
         self.dlq = topics.dlq
@@ -115,10 +121,15 @@ class Intake:
             req = auth.request
         arrived = arrival_ms(msg.timestamp, now)
         state = self.tenants.get(req.tenant_id)
-        decision = self.admission.decide(req, now, state, cancelled=self.cancelled(req.request_id),
-                                         arrived_ms=arrived)
+        cancelled = self.cancelled(req.request_id)
+        # Before the real decision, which counts the request in the state both read.
+        shadow = None if self.shadow is None else self.shadow.judge(req, now, state, cancelled=cancelled,
+                                                                     arrived_ms=arrived)
+        decision = self.admission.decide(req, now, state, cancelled=cancelled, arrived_ms=arrived)
         state.apply(applied, msg.offset)
         m = self.metrics
+        if shadow is not None:
+            self._count_shadow(shadow, decision)
         if decision.action is Action.DISPATCH:
             self.tenants.changed(req.tenant_id)
             band = decision.band
@@ -151,6 +162,12 @@ class Intake:
         outputs.append(self._answer(Response.for_request(req, status, reason=decision.reason,
                                                          retry_after_ms=decision.retry_after_ms,
                                                          served_priority=decision.band, finished_at=now), req))
+
+    def _count_shadow(self, shadow: Decision, real: Decision) -> None:
+        decided = _DECIDED[shadow.action]
+        self.metrics.shadow.labels(decided, reason_code(shadow.reason)).inc()
+        if shadow.action is not real.action:
+            self.metrics.shadow_disagreements.labels(_DECIDED[real.action], decided).inc()
 
     def _refuse(self, req: Request, source: str, partition: int, now: int, reason: str, outputs: list) -> None:
         """Refused by the registry (unknown, disabled, unsigned, a model not allowed): answered

@@ -359,6 +359,12 @@ class GatewayMetrics:
         self.fairness_tenants = Gauge("llmq_gateway_fairness_tenants",
                                       "Tenants behind llmq_gateway_fairness_jain (the index is at least 1/n).",
                                       ["priority"])
+        self.shadow = Counter("llmq_gateway_shadow_decisions",
+                              "What the shadow policy ([gateway.shadow]) would have decided, by decision (admitted, "
+                              "rejected, expired, cancelled) and reason code; never enforced.", ["decision", "reason"])
+        self.shadow_disagreements = Counter("llmq_gateway_shadow_disagreements",
+                                            "Requests on which the shadow policy and the real one decide "
+                                            "differently, by the real decision and the shadow's.", ["real", "shadow"])
         self._fair: dict[str, FairnessWindow] = {}
         # Admissions and degradations exist at 0 per band from the start, so the first scrape is a
         # baseline and rate() sees the first requests, not only the ones after them.
@@ -368,7 +374,7 @@ class GatewayMetrics:
         self.registry.register(_Collector([
             self.requests, self.rejections, self.dead_letters, self.degraded, self.reprioritised, self.finished,
             self.depth, self.cap, self.eta, self.drain, self.arrival, self.load, self.fairness,
-            self.fairness_tenants]))
+            self.fairness_tenants, self.shadow, self.shadow_disagreements]))
 
     def outcome(self, priority: str, outcome: str, n: int = 1) -> None:
         self.requests.labels(priority, outcome).value += n

@@ -128,13 +128,14 @@ class QueueModel:
     def eta_ms(self, rank: int) -> float:
         return _eta_ms(sum(self.depth[: rank + 1]), self.drain_rate())
 
-    def check(self, rank: int) -> QueueVerdict:
-        """Whether band ``rank`` has room for one more, and where it would stand."""
+    def check(self, rank: int, cap: int | None = None) -> QueueVerdict:
+        """Whether band ``rank`` has room for one more (under ``cap``, by default its own), and
+        where it would stand."""
         depth = self.depth
         rate = self.drain_rate()
         ahead = sum(depth[: rank + 1])
         eta = _eta_ms(ahead, rate)
-        cap = self.caps[rank]
+        cap = self.caps[rank] if cap is None else cap
         if cap and depth[rank] >= cap:
             # Until the band has drained below its cap at the current rate.
             excess = depth[rank] - cap + 1
@@ -152,6 +153,32 @@ class QueueModel:
                                     "eta_ms": _finite(self.eta_ms(p.rank)),
                                     "wait_ms": round(self._wait_ms[p.rank], 1),
                                     "load": round(self.load(p.rank), 3)} for p in BANDS}}
+
+
+class CappedView:
+    """A :class:`QueueModel`'s measurements under other caps, read-only: what a shadow policy
+    judges with (the real admission alone counts what it admits)."""
+
+    def __init__(self, model: QueueModel, caps: list[int]):
+        assert len(caps) == N_BANDS
+        self.model = model
+        self.caps = list(caps)
+
+    @property
+    def depth(self) -> list[int]:
+        return self.model.depth
+
+    def load(self, rank: int) -> float:
+        return self.model.load(rank)
+
+    def eta_ms(self, rank: int) -> float:
+        return self.model.eta_ms(rank)
+
+    def check(self, rank: int) -> QueueVerdict:
+        return self.model.check(rank, self.caps[rank])
+
+    def admitted(self, rank: int) -> None:
+        """Not counted: the shadow admits nothing."""
 
 
 def _eta_ms(ahead: int, rate: float) -> float:

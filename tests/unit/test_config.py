@@ -111,6 +111,10 @@ def test_the_example_file_documents_every_gateway_default():
     ("[worker]\nsource = 'topics'", "worker.source"),
     ("[gateway]\nsession_timeout_ms = 500", "gateway.session_timeout_ms"),
     ("[gateway]\ninstance_id = \"gw\\t0\"", "gateway.instance_id"),
+    ("[gateway.shadow]\nhigh_load = 2", "gateway.shadow.high_load"),
+    ("[gateway.shadow.limits.per_second]\nwindow_ms = 0\nrequests = 5", "gateway.shadow.limits.per_second.window_ms"),
+    ("[gateway.shadow.queue_caps]\nURGENT = 5", "gateway.shadow.queue_caps.URGENT"),
+    ("[gateway.shadow]\nqueue_caps = 5", "gateway.shadow.queue_caps"),
 ])
 def test_invalid_gateway_settings_are_refused_naming_the_key(tmp_path, toml, key):
     f = tmp_path / "bad.toml"
@@ -118,6 +122,18 @@ def test_invalid_gateway_settings_are_refused_naming_the_key(tmp_path, toml, key
     with pytest.raises(ConfigError) as exc:
         Settings.load(f, env={})
     assert exc.value.key == key
+
+
+def test_a_shadow_policy_is_the_real_one_with_the_shadowed_keys_replaced(tmp_path):
+    f = tmp_path / "shadow.toml"
+    f.write_text("[gateway.shadow.limits]\nper_second = { window_ms = 1000, requests = 20 }\n"
+                 "[gateway.shadow.queue_caps]\nNORMAL = 500\n")
+    g = Settings.load(f, env={}).gateway
+    assert Settings.load(env={}).gateway.shadow_policy() is None
+    shadow = g.shadow_policy()
+    assert [lim.requests for lim in shadow.rate_limits()[0]] == [20]
+    assert shadow.queue_caps == {"NORMAL": 500} and shadow.tenant_outstanding == g.tenant_outstanding
+    assert shadow.shadow == {} and g.rate_limits()[0][0].requests == 200
 
 
 def test_workers_behind_the_gateway_consume_the_dispatch_topics():

@@ -20,7 +20,7 @@ from pipeline.dlq import H_REASON
 from pipeline.models import Priority, Request, Status
 from pipeline.serde import Codec
 from pipeline.testing import produce_request
-from tests.integration.harness import read_topic, running_worker
+from tests.integration.harness import free_port, read_topic, running_worker
 
 # A small gateway: a rate limit with a long window (tests run inside one window), tight quotas.
 GATEWAY_TOML = """
@@ -250,3 +250,27 @@ def test_a_client_that_asks_is_told_its_queue_position_and_eta(dispatch_settings
         queued = client.queued(req.request_id)
     assert queued is not None and queued.status is Status.QUEUED
     assert queued.queue_position == 1 and queued.admitted_at is not None
+
+
+def test_a_shadow_limit_is_counted_and_never_enforced(dispatch_settings, tmp_path):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = free_port()
+    toml = GATEWAY_TOML.format(requests=1000).replace("web_port = 0", f"web_port = {port}")
+    toml += "\n[gateway.shadow.limits.long_window]\nwindow_ms = 300000\nrequests = 2\n"
+    s = dispatch_settings
+    reqs = [Request.new("trial", f"r{i}", timeout_ms=600_000) for i in range(6)]
+    with running_gateway(s, tmp_path, toml=toml), running_worker(s), LlmqClient(s) as client:
+        for r in reqs:
+            client.submit(r)
+        answers = [client.result(r.request_id, timeout=30) for r in reqs]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert [a.status for a in answers] == [Status.COMPLETED] * 6  # the real limit (1000) decides
+    samples = {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+               for fam in text_string_to_metric_families(text) for smp in fam.samples}
+    shadow = "llmq_gateway_shadow_decisions_total"
+    assert samples[(shadow, (("decision", "admitted"), ("reason", "none")))] == 2
+    assert samples[(shadow, (("decision", "rejected"), ("reason", "rate_limited")))] == 4
+    assert samples[("llmq_gateway_shadow_disagreements_total", (("real", "admitted"), ("shadow", "rejected")))] == 4

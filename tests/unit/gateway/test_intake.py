@@ -269,3 +269,27 @@ def test_records_faust_skipped_are_decided_before_the_one_that_jumped_and_acked_
     decided = [entry[1] for bucket in gw.seen_table.values() for entry in bucket]
     assert decided == [f"{events[0].message.topic}:0:{o}" for o in (10, 11, 12)]  # all three, in offset order
     assert len(gw.outputs.sent_before) == 3 and events[2].acked
+
+
+def test_a_shadow_policy_is_counted_beside_the_real_one_and_never_enforced(gw):
+    from pipeline.config.gateway import RateLimitSettings
+    from pipeline.policy.admission import Admission, DegradePolicy, RateLimits
+    from pipeline.policy.fairness import FairnessQuotas
+    from pipeline.policy.priority import PriorityPolicy
+    from pipeline.policy.queues import CappedView
+    from pipeline.policy.shadow import Shadow
+
+    real = gw.admission
+    gw.intake.shadow = Shadow(Admission(PriorityPolicy(), RateLimits([RateLimitSettings("s", 60_000, requests=1)]),
+                                        FairnessQuotas({}), CappedView(real.queues, [0] * 5), DegradePolicy()))
+    sent = handled(gw, *(gw.request_event(Request.new("acme", f"p{i}", timeout_ms=600_000)) for i in range(4)))
+    statuses = [gw.codec.decode_response(v).status for t, v in sent if t == gw.settings.topics.responses]
+    dispatched = [t for t, _ in sent if t == gw.settings.topics.dispatch_topic(Priority.NORMAL)]
+    # The real limit is 3 a minute: three dispatched, one refused, whatever the shadow said.
+    assert len(dispatched) == 3 and statuses == [Status.REJECTED]
+    m = gw.intake.metrics
+    value = m.registry.get_sample_value
+    assert value("llmq_gateway_shadow_decisions_total", {"decision": "admitted", "reason": "none"}) == 1
+    assert value("llmq_gateway_shadow_decisions_total", {"decision": "rejected", "reason": "rate_limited"}) == 3
+    assert value("llmq_gateway_shadow_disagreements_total", {"real": "admitted", "shadow": "rejected"}) == 2
+    assert value("llmq_requests_total", {"priority": "NORMAL", "outcome": "admitted"}) == 3
