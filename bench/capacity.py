@@ -137,8 +137,11 @@ def plan(results: dict) -> str:
     first_1k = ("the model servers: 1k requests/s of multi-second calls is thousands in flight, far more slots than "
                 "a gateway or worker process needs cores")
     b_records = rows[2][4]
+    e2e_p99 = f("end_to_end_latency.p99_ms")
     lines += [
-        f"- **1k/s**: {first_1k}. One gateway would do ({gw_rate:,.0f}/s measured); two run for failover.",
+        f"- **1k/s**: {first_1k}. One gateway admits {gw_rate:,.0f}/s from a backlog, but paced at 1k/s over",
+        f"  the default 6 partitions per band it falls behind (end-to-end p99 {e2e_p99:,} ms,",
+        "  `end_to_end_latency.p99_ms`): run two, which failover needs anyway.",
         f"- **10k/s**: the gateway's single event loop: {rows[1][1]} instances at the headroom above, so the request",
         "  topics need at least that many partitions per band before the load arrives (partitions cannot be",
         "  re-keyed later without moving tenants between gateways).",
