@@ -73,6 +73,9 @@ def plan(results: dict) -> str:
         "| figure | value | results.json field |",
         "|---|---:|---|",
         f"| admissions per second, one gateway process | {gw_rate:,.0f} | `gateway_throughput.gateway_msgs_per_s` |",
+        f"| a Faust agent that only forwards (the ceiling of a Faust gateway) | "
+        f"{f('gateway_throughput.faust_passthrough_msgs_per_s'):,.0f} msg/s | "
+        "`gateway_throughput.faust_passthrough_msgs_per_s` |",
         f"| raw produce→consume through the same broker | {raw_rate:,.0f} msg/s | `gateway_throughput.raw_msgs_per_s` |",
         f"| records the gateway writes per admitted request | {rec_adm} | `gateway_throughput.broker_records_per_admitted` |",
         f"| bytes (key + value) it writes per admitted request | {bytes_adm:,.0f} | `gateway_throughput.broker_bytes_per_admitted` |",
@@ -140,8 +143,9 @@ def plan(results: dict) -> str:
     e2e_p99 = f("end_to_end_latency.p99_ms")
     lines += [
         f"- **1k/s**: {first_1k}. One gateway admits {gw_rate:,.0f}/s from a backlog, but paced at 1k/s over",
-        f"  the default 6 partitions per band it falls behind (end-to-end p99 {e2e_p99:,} ms,",
-        "  `end_to_end_latency.p99_ms`): run two, which failover needs anyway.",
+        f"  the default 6 partitions per band its fetches fall into Faust's 1.5-s fetch wait (end-to-end p99 {e2e_p99:,} ms,",
+        "  `end_to_end_latency.p99_ms`; docs/gateway.md, \"How much one gateway takes\"): run two, which failover",
+        "  needs anyway.",
         f"- **10k/s**: the gateway's single event loop: {rows[1][1]} instances at the headroom above, so the request",
         "  topics need at least that many partitions per band before the load arrives (partitions cannot be",
         "  re-keyed later without moving tenants between gateways).",

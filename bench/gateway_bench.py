@@ -287,7 +287,7 @@ def p99(xs) -> float:
 
 def gateway_throughput(settings: Settings, args, raw_passthrough, fill) -> dict:
     n = min(args.messages, 30_000)
-    raw, gw, writes = [], [], []
+    raw, gw, faust, writes = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(max(1, args.rounds)):  # make bench's five: both sides swing by a third from run to run
             s = fresh(settings)
@@ -306,9 +306,13 @@ def gateway_throughput(settings: Settings, args, raw_passthrough, fill) -> dict:
             finally:
                 gw_proc.stop()
             writes.append(records_written(s2, n))
-            _log(f"  round {r + 1}: raw {raw[-1]:,.0f} msg/s   gateway {gw[-1]:,.0f} admitted/s")
-    raw_m, gw_m = statistics.median(raw), statistics.median(gw)
+            faust.append(faust_passthrough(settings, n, args.prompt_bytes, fill))
+            _log(f"  round {r + 1}: raw {raw[-1]:,.0f} msg/s   faust agent {faust[-1]:,.0f} msg/s   "
+                 f"gateway {gw[-1]:,.0f} admitted/s")
+    raw_m, gw_m, faust_m = statistics.median(raw), statistics.median(gw), statistics.median(faust)
     return {"raw_msgs_per_s": round(raw_m), "gateway_msgs_per_s": round(gw_m), "ratio": round(gw_m / raw_m, 3),
+            "faust_passthrough_msgs_per_s": round(faust_m), "ratio_to_faust_passthrough": round(gw_m / faust_m, 3),
+            "faust_passthrough_runs": [round(x) for x in faust],
             "overrides": THROUGHPUT_OVERRIDES, "sent": n * len(gw), "measured_admitted": n * len(gw),
             "messages": n, "raw_runs": [round(x) for x in raw], "gateway_runs": [round(x) for x in gw],
             "ratio_per_round": [round(g / r, 3) for r, g in zip(raw, gw)],
@@ -316,7 +320,28 @@ def gateway_throughput(settings: Settings, args, raw_passthrough, fill) -> dict:
             "broker_bytes_per_admitted": statistics.median(w["bytes_per_admitted"] for w in writes),
             "broker_writes_per_round": writes,
             "measured": "admitted rate from the dispatch topics' timestamps, first to last (every band); the "
-                        "topics are read after the gateway is done (as nothing reads beside the raw passthrough)"}
+                        "topics are read after the gateway is done (as nothing reads beside the raw passthrough); "
+                        "faust_passthrough: bench/faust_passthrough.py, one Faust agent forwarding the same records "
+                        "unchanged through librdkafka, timed the same way: Faust's own cost per record, the ceiling "
+                        "of a gateway built as a Faust agent"}
+
+
+def faust_passthrough(settings: Settings, n: int, prompt_bytes: int, fill) -> float:
+    """The records/s one Faust agent forwards unchanged (bench/faust_passthrough.py), from its
+    output's timestamps, first to last, as the gateway's rate is taken."""
+    s = fresh(settings)
+    fill(s, n, prompt_bytes)
+    out = s.topics.dispatch_topic(Priority.NORMAL)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "faust_passthrough.py"), "--bootstrap",
+                             s.kafka.bootstrap, "--source", s.topics.request_topic(Priority.NORMAL), "--out", out,
+                             "--partitions", str(s.topics.request_partitions)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    try:
+        wait_for_messages(s, out, n)
+        stamps = [ts for _, _, ts in read_all(s, out, len, expect=0, stamp=True, drain=True)]
+        return n / max((max(stamps) - min(stamps)) / 1000, 1e-3)
+    finally:
+        _terminate(proc)
 
 
 def records_written(settings: Settings, admitted: int) -> dict:
