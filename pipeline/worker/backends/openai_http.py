@@ -1,6 +1,9 @@
 """An OpenAI-compatible chat-completions backend (vLLM, llama.cpp server, TGI, OpenAI, ...).
 
-One pooled HTTP/1.1 client per worker. A call goes to a server of its model chosen by
+One pooled HTTP/1.1 client per worker (aiohttp: its pool hands out a free connection in constant
+time, where httpcore's scans every pooled connection, polling each socket, on every request,
+encode/httpcore#924, a cost that grows with the hundreds of calls a worker keeps in flight
+against a vLLM server). A call goes to a server of its model chosen by
 the routing table (:mod:`routing`) once the server's pacer (:mod:`pacing`) has a slot
 for it, and is streamed (``stream: true`` with ``stream_options.include_usage``) so the
 time to first token paces the server and a cancelled call closes its connection, which
@@ -25,7 +28,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping
 
-import httpx
+import aiohttp
 
 from pipeline.errors import BackendError
 from pipeline.models import Request
@@ -89,8 +92,12 @@ async def _drain(reads, deadline: float, limit: int = 1 << 16) -> None:
                 left -= len(data)
                 if left < 0:
                     return
-    except (TimeoutError, httpx.HTTPError):
+    except (TimeoutError, aiohttp.ClientError):
         pass
+
+
+#: What a pooled keep-alive connection the server had closed raises on its next request.
+_STALE_CONNECTION = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
 class OpenAIBackend:
@@ -119,11 +126,24 @@ class OpenAIBackend:
         self.params = dict(params or {})
         self.gate = PacingGate(pacing or PacingConfig(adaptive=False, max_limit=max_connections,
                                                       initial_limit=max_connections))
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            headers=headers, timeout=httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None  # made in the loop that first calls
+        self._session_loop: asyncio.AbstractEventLoop | None = None
         self._pollers: dict[Server, MetricsPoller] = {}
+
+    @property
+    def _client(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            # A session belongs to the loop it was made in (a backend reused under a new
+            # asyncio.run gets a new one).
+            self._session_loop = loop
+            connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=self._max_connections)
+            # Deadlines are the calls' own (asyncio.timeout_at around each step), not the session's.
+            self._session = aiohttp.ClientSession(headers=self._headers, connector=connector,
+                                                  timeout=aiohttp.ClientTimeout(total=None))
+        return self._session
 
     # -- the Backend protocol ---------------------------------------------------
     def complete_now(self, request: Request) -> Completion | None:
@@ -184,7 +204,9 @@ class OpenAIBackend:
         for poller in self._pollers.values():
             await poller.stop()
         self._pollers.clear()
-        await self._client.aclose()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
 
     # -- what a worker asks before taking work --------------------------------
     def capacity(self, model: str | None = None) -> int:
@@ -279,49 +301,51 @@ class OpenAIBackend:
             stream = call.stream and not call.plain and (
                 call.always_stream or not self.prefer_real_usage or server.stream_usage is not False)
             call.body = chat_body(call.request, stream=stream, defaults=self.params)
-            request = self._client.build_request(
-                "POST", server.base_url + "/chat/completions", json=call.body,
-                timeout=httpx.Timeout(timeout, connect=min(self.connect_timeout_s, timeout)))
+            url = server.base_url + "/chat/completions"
+            connect = aiohttp.ClientTimeout(total=None, connect=min(self.connect_timeout_s, timeout))
             sent = time.monotonic()
             try:
                 async with asyncio.timeout_at(_loop_deadline(ends)):
                     try:
-                        resp = await self._client.send(request, stream=True)
-                    except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+                        resp = await self._client.post(url, json=call.body, timeout=connect)
+                    except _STALE_CONNECTION:
                         # A pooled keep-alive connection the server had closed: the pool has
                         # dropped it, and one more try opens a new one (a dead server refuses it).
-                        resp = await self._client.send(request, stream=True)
-            except (TimeoutError, httpx.TimeoutException):
+                        resp = await self._client.post(url, json=call.body, timeout=connect)
+            except TimeoutError:
                 raise _Failure(f"timed out after {timeout:.1f}s", retriable=True, server=server) from None
-            except httpx.TransportError as exc:
+            except aiohttp.ClientError as exc:
                 raise _Failure(f"connection error: {type(exc).__name__}", retriable=True, server=server,
                                unreachable=True) from None
             try:
-                if resp.status_code != 200:
+                if resp.status != 200:
                     raise await self._status_failure(server, resp, ends)
                 call.ends = ends
                 yield server, slot, resp, sent
             finally:
-                await resp.aclose()
+                if resp.content.at_eof():
+                    resp.release()  # read to its end: the connection goes back to the pool
+                else:
+                    resp.close()  # cut short (cancelled, failed): closing it is what stops the server
         finally:
             self.gate.release(slot)
 
-    async def _status_failure(self, server: Server, resp: httpx.Response, ends: float) -> _Failure:
+    async def _status_failure(self, server: Server, resp: aiohttp.ClientResponse, ends: float) -> _Failure:
         body = b""
         try:
             async with asyncio.timeout_at(_loop_deadline(min(ends, time.monotonic() + 5.0))):
-                async for part in resp.aiter_bytes():
+                async for part in resp.content.iter_any():
                     body += part
                     if len(body) >= _MAX_ERROR_BODY:
                         break
-        except (TimeoutError, httpx.HTTPError):
+        except (TimeoutError, aiohttp.ClientError):
             pass
-        status = resp.status_code
+        status = resp.status
         return _Failure(error_reason(status, body[:_MAX_ERROR_BODY]), retriable=status in _RETRIABLE_STATUS,
                         server=server, overloaded=status in _OVERLOAD_STATUS,
                         retry_after=retry_after_s(resp.headers.get("retry-after"), time.time()))
 
-    async def _chunks(self, call: _Call, server: Server, slot: Slot, resp: httpx.Response,
+    async def _chunks(self, call: _Call, server: Server, slot: Slot, resp: aiohttp.ClientResponse,
                       sent: float) -> AsyncIterator[Chunk]:
         loop_ends = _loop_deadline(call.ends)
         assembler = StreamAssembler(prompt_token_estimate(call.body))
@@ -340,7 +364,7 @@ class OpenAIBackend:
                             _usage_of(completion))
                 return
             parser = SseParser()
-            reads = resp.aiter_bytes()  # content-decoded (a proxy may gzip the stream)
+            reads = resp.content.iter_any()  # content-decoded (a proxy may gzip the stream)
             first = True
             while not assembler.done:
                 # A deadline per read, not around the loop: it must not reach into the code
@@ -373,13 +397,13 @@ class OpenAIBackend:
             yield assembler.finish()
         except TimeoutError:
             raise _Failure(f"timed out after {call.ends - sent:.1f}s", retriable=True, server=server) from None
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:
             raise _Failure(f"connection lost mid-answer: {type(exc).__name__}", retriable=True, server=server,
                            unreachable=True) from None
         except WireError as exc:
             raise _Failure(str(exc), retriable=exc.retriable, server=server) from None
 
-    async def _collect(self, call: _Call, server: Server, slot: Slot, resp: httpx.Response,
+    async def _collect(self, call: _Call, server: Server, slot: Slot, resp: aiohttp.ClientResponse,
                        sent: float) -> Completion:
         parts = []
         async for chunk in self._chunks(call, server, slot, resp, sent):
@@ -446,9 +470,9 @@ def _loop_deadline(monotonic_deadline: float) -> float:
     return loop.time() + (monotonic_deadline - time.monotonic())
 
 
-async def _read_capped(resp: httpx.Response, limit: int) -> bytes:
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     body = bytearray()
-    async for part in resp.aiter_bytes():
+    async for part in resp.content.iter_any():
         body += part
         if len(body) > limit:
             raise WireError(f"response body larger than {limit} bytes")

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Callable
 
-import httpx
+import aiohttp
 
 from pipeline.worker.backends.pacing import ServerLoad
 
@@ -69,7 +69,7 @@ class MetricsPoller:
     a failed read hands nothing, so the last sample goes stale and is not trusted.
     """
 
-    def __init__(self, client: httpx.AsyncClient, url: str, on_load: Callable[[ServerLoad | None], None], *,
+    def __init__(self, client: aiohttp.ClientSession, url: str, on_load: Callable[[ServerLoad | None], None], *,
                  interval_s: float = 0.05, clock: Callable[[], float] = time.monotonic):
         self.client = client
         self.url = url
@@ -94,12 +94,13 @@ class MetricsPoller:
 
     async def poll_once(self) -> ServerLoad | None:
         sent = self.clock()  # the sample is at least this old: the conservative side
-        resp = await self.client.get(self.url, timeout=max(0.5, self.interval_s * 4))
-        if resp.status_code != 200:
-            self.supported = False
-            self.on_load(None)
-            return None
-        load = parse_load(resp.text, sent)
+        async with self.client.get(self.url, timeout=aiohttp.ClientTimeout(total=max(0.5, self.interval_s * 4))) as resp:
+            if resp.status != 200:
+                self.supported = False
+                self.on_load(None)
+                return None
+            text = await resp.text(errors="replace")
+        load = parse_load(text, sent)
         self.supported = load is not None
         self.on_load(load)
         return load
@@ -111,7 +112,7 @@ class MetricsPoller:
                 await self.poll_once()
                 if not self.supported:
                     delay = REDISCOVER_S
-            except httpx.HTTPError as exc:
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 # The server is unreachable or slow: the sample goes stale on its own.
                 log.debug("metrics of %s unreadable: %s", self.url, type(exc).__name__)
                 delay = max(self.interval_s, 1.0)
