@@ -334,7 +334,9 @@ class _Engine:
         self.chunk_topic = reply_to or settings.topics.chunks
         self.reply_partitions: list[int] = sorted(set(reply_partitions)) if reply_partitions is not None else []
         self.signing_secret = signing_secret
-        self.producer = Producer(settings.kafka.producer_config(**{"client.id": "llmq-client",
+        # A client waits for each answer, so its requests go out within a millisecond rather than
+        # llmq's 5 (a burst still shares produce requests); [kafka.properties] still wins.
+        self.producer = Producer(settings.kafka.producer_config(**{"client.id": "llmq-client", "linger.ms": 1,
                                                                    **(producer_config or {})}))
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._poll_producer, name="llmq-client-producer", daemon=True)
