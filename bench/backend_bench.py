@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -42,6 +43,10 @@ from pipeline.simulator.process import SimulatorProcess
 from pipeline.testing import produce_request
 
 SLOTS, TTFT_MS, MS_PER_TOKEN, TOKENS = 16, 20, 5, 64
+#: BACKGROUND answers vary in length around TOKENS, as real ones do. With one length for all,
+#: requests that join in one engine step finish in one step, for ever, and each such cohort's
+#: replacements wait together for the next step: a wait the workload makes, not the pacing.
+TOKENS_SPREAD = (TOKENS // 2, TOKENS * 3 // 2)
 BACKLOG = 3 * SLOTS
 WARM_S, MEASURE_S, CRITICAL_EVERY_S = 4.0, 20.0, 0.5
 TARGET = {"slot_busy_fraction": 0.97, "server_waiting_p99": 2, "critical_wait_p99_over_service": 1.5,
@@ -108,12 +113,13 @@ class Backlog(threading.Thread):
         codec = Codec.default()
         producer = Producer(self.settings.kafka.producer_config(**{"linger.ms": 1}))
         i = 0
+        lengths = random.Random(7)  # the same answer lengths in every round
         while not self._halt.is_set():
             with self._lock:
                 missing = self.size - (len(self.sent) - len(self.done))
             for _ in range(missing):
                 req = Request.new(f"bulk-{i % 4}", f"job {i}", priority=Priority.BACKGROUND, model="sim-small",
-                                  max_tokens=TOKENS, timeout_ms=600_000)
+                                  max_tokens=lengths.randint(*TOKENS_SPREAD), timeout_ms=600_000)
                 with self._lock:
                     self.sent.add(req.request_id)
                 produce_request(producer, self.settings, codec, req)
@@ -192,9 +198,12 @@ def _utilization_round(settings: Settings, mode: str, workdir: Path) -> dict:
                if r.finished_at and r.started_at and r.status.value == "COMPLETED"]
     running = [min(r, SLOTS) for r, _ in samples]
     waiting = sorted(w for _, w in samples)
+    # What waits with no slot free for it at the next step: the calls whose order the server, not llmq, decides.
+    queued = sorted(max(0.0, w - max(0.0, SLOTS - r)) for r, w in samples)
     out = {"slot_busy_fraction": round(statistics.fmean(running) / SLOTS, 4) if running else 0.0,
            "server_waiting_p50": waiting[len(waiting) // 2] if waiting else None,
-           "server_waiting_p99": p99(waiting), "critical_idle_ttft_ms": round(idle_ms, 1),
+           "server_waiting_p99": p99(waiting), "server_queued_past_free_slots_p99": p99(queued),
+           "critical_idle_ttft_ms": round(idle_ms, 1),
            "critical_wait_p50_ms": round(waits[len(waits) // 2], 1), "critical_wait_p99_ms": round(p99(waits), 1),
            "critical_unanswered": sum(c is None for c in critical),
            "background_answered": len(backlog.done),
@@ -238,7 +247,7 @@ def backend_utilization(settings: Settings, args) -> dict:
                 "targets": {k: TARGET[k] for k in ("slot_busy_fraction", "server_waiting_p99",
                                                    "critical_wait_p99_over_service")},
                 "conditions": f"simulator {SLOTS} slots, {TTFT_MS} ms to first token, {MS_PER_TOKEN} ms/token, "
-                              f"{TOKENS}-token answers; one llmq worker process on the request topics, preemption "
+                              f"answers of {TOKENS_SPREAD[0]}-{TOKENS_SPREAD[1]} tokens (CRITICAL's {TOKENS}); one llmq worker process on the request topics, preemption "
                               f"off; BACKGROUND backlog kept at {BACKLOG}; a streamed CRITICAL request every "
                               f"{CRITICAL_EVERY_S} s for {MEASURE_S:.0f} s after {WARM_S:.0f} s of warm-up; "
                               "CRITICAL wait = its time to first token less the median idle one; naive = "

@@ -82,7 +82,7 @@ def plan(results: dict) -> str:
         f"| records a worker writes per answer (response, receipt, chunks) | {rec_ans} | `backend_utilization.llmq.broker_records_per_answer` |",
         f"| bytes a worker writes per answer | {bytes_ans:,.0f} | `backend_utilization.llmq.broker_bytes_per_answer` |",
         f"| gateway memory per tenant | {kb_tenant} KB | `gateway_memory.kb_per_tenant` |",
-        f"| worker CPU per request (64-token answer, OpenAI backend) | {cpu_req} ms | `backend_utilization.llmq.worker_cpu_ms_per_request` |",
+        f"| worker CPU per request (32–96-token answers, OpenAI backend) | {cpu_req} ms | `backend_utilization.llmq.worker_cpu_ms_per_request` |",
         f"| worker CPU per streamed request (16 tokens) | {cpu_stream} ms | `streaming_ttft.worker_cpu_ms_per_stream` |",
         f"| model-server slots kept busy under a backlog | {busy} | `backend_utilization.slot_busy_fraction` |",
     ]
