@@ -147,7 +147,8 @@ def _scenarios() -> dict:
     }
     for module, names in (("failover_bench", ("gateway_failover",)),
                           ("backend_bench", ("backend_utilization", "streaming_ttft")),
-                          ("serve_bench", ("serve_overhead",))):
+                          ("serve_bench", ("serve_overhead",)),
+                          ("eta_bench", ("eta_accuracy",))):
         try:
             mod = __import__(module)
         except ImportError as exc:

@@ -127,12 +127,17 @@ class GatewaySettings:
     worker_groups: list[str] = field(default_factory=list)
     #: The server's longest deadline: a client may shorten it, never extend it.
     max_timeout_ms: int = 600_000
+    #: Answer EXPIRED at admission a request whose deadline falls before even the shortest wait
+    #: that recent, saturated drain readings allow (docs/gateway.md, "Queue position and ETA").
+    #: Off: every such request is dispatched, and a worker expires it if it has not started by
+    #: its deadline.
+    early_expiry: bool = True
     #: Graceful degradation at or above this load: simple requests that allow it get a smaller model.
     degrade_load: float = 0.8
     downgrade: dict[str, str] = field(default_factory=lambda: {"sim-large": "sim-small", "gpt-4o": "gpt-4o-mini"})
     simple_prompt_tokens: int = 1_000
     simple_max_tokens: int = 512
-    #: Drain rate assumed before any was measured (requests/s; 0 = unknown).
+    #: The workers' capacity assumed before any was measured (requests/s; 0 = unknown: no ETA yet).
     default_drain_rate: float = 0.0
     #: How long a request id is remembered, so a re-submitted id is answered once.
     dedupe_horizon_ms: int = 120_000

@@ -45,6 +45,7 @@ from pipeline.gateway.seen import RecentIds
 from pipeline.gateway.tenant_states import TenantStates
 from pipeline.models import BANDS, Priority, now_ms
 from pipeline.observability.metrics import GatewayMetrics
+from pipeline.partitioning import tenant_partition
 from pipeline.policy.admission import Admission, DegradePolicy, RateLimits
 from pipeline.policy.fairness import FairnessQuotas
 from pipeline.policy.priority import PriorityPolicy
@@ -124,7 +125,10 @@ class Gateway:
         self.seen = RecentIds(self.seen_table, self.ownership, g.dedupe_horizon_ms)
         caps = g.band_ints("queue_caps")
         self.queues = QueueModel([caps.get(p.value, 0) for p in BANDS], default_rate_per_s=g.default_drain_rate,
-                                 target_queue_ms=g.target_queue_ms)
+                                 target_queue_ms=g.target_queue_ms,
+                                 commit_lag_ms=settings.worker.commit_interval_ms,
+                                 partition_of=_dispatch_partition(t.dispatch_partitions),
+                                 min_shares=[settings.worker.band_min_share.get(p.value, 0.0) for p in BANDS])
         # Who a tenant is (tier, highest band, models, signatures) and its own limits and caps:
         # read live from the registry topic; the config's per-tenant tables still win.
         self.registry = TenantRegistry(settings)
@@ -231,7 +235,7 @@ class Gateway:
             queues,
             DegradePolicy(load=g.degrade_load, downgrade=dict(g.downgrade), simple_prompt_tokens=g.simple_prompt_tokens,
                           simple_max_tokens=g.simple_max_tokens),
-            max_timeout_ms=g.max_timeout_ms, topics_prefix=self.settings.topics.prefix)
+            max_timeout_ms=g.max_timeout_ms, topics_prefix=self.settings.topics.prefix, early_expiry=g.early_expiry)
 
     def _registered_limits(self, tenant: str):
         record = self.registry.get(tenant)
@@ -268,7 +272,7 @@ class Gateway:
         loop = self.app.loop
         if not loop.is_closed():
             loop.call_soon_threadsafe(self.queues.observe, reading.depths, reading.arrived, reading.drained,
-                                      reading.at_ms)
+                                      reading.at_ms, reading.partitions, reading.arrivals)
 
     def _cancelled(self, request_id: str) -> bool:
         return self.cancellations is not None and self.cancellations.reason(request_id) is not None
@@ -277,12 +281,7 @@ class Gateway:
         if self.cancellations is None:
             self.cancellations = CancellationView(self.settings)
         self.cancellations.poll()
-        snap = self.queues.snapshot()
-        m = self.metrics
-        for p in BANDS:
-            m.depth.labels(p.value).set(snap["bands"][p.value]["depth"])
-        m.drain.labels().set(snap["drain_rate_per_s"])
-        m.load.labels().set(snap["bands"][Priority.NORMAL.value]["load"])
+        self.metrics.observe_queues(self.queues.snapshot())
 
     async def _sweep(self) -> None:
         now = now_ms()
@@ -372,3 +371,18 @@ def _credentials(settings: Settings):
         return faust.SASLCredentials(username=k.sasl_username, password=k.password(), ssl_context=ssl_context,
                                      mechanism=k.sasl_mechanism)
     return faust.SSLCredentials(ssl_context)
+
+
+def _dispatch_partition(partitions: int):
+    """The dispatch partition of a tenant's requests (keyed by tenant, as every llmq topic)."""
+    cache: dict[str, int] = {}
+
+    def partition_of(tenant: str) -> int:
+        p = cache.get(tenant)
+        if p is None:
+            if len(cache) >= 65536:
+                cache.clear()
+            p = cache[tenant] = tenant_partition(tenant.encode(), partitions)
+        return p
+
+    return partition_of

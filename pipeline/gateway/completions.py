@@ -82,5 +82,6 @@ class Completions:
                                 seen.charged if seen else 0, used, now_ms())
         self.tenants.changed(resp.tenant_id)
         if resp.started_at is not None and seen is not None:
-            self.admission.queues.waited(resp.served_priority.rank, resp.started_at - resp.admitted_at, now_ms())
+            self.admission.queues.waited(resp.served_priority.rank, resp.started_at - resp.admitted_at, now_ms(),
+                                         resp.finished_at - resp.started_at, resp.request_id)
         self.metrics.finished.labels(resp.served_priority.value, resp.status.value.lower()).inc()

@@ -33,6 +33,8 @@ class Reading:
     arrived: int  # sum of end offsets
     drained: int  # sum of committed offsets
     at_ms: float
+    partitions: list[list[int]] | None = None  # per band rank, per dispatch partition
+    arrivals: list[int] | None = None  # per band rank: sum of end offsets
 
 
 class DispatchDepths:
@@ -76,16 +78,18 @@ class DispatchDepths:
         committed = self._committed()
         missing = [tp for tp in tps if (tp.topic, tp.partition) not in committed]
         starts = self._offsets(missing, OffsetSpec.earliest()) if missing else {}
-        depths = [0] * len(BANDS)
+        parts = [[0] * self.partitions for _ in BANDS]
+        ends_by_band = [0] * len(BANDS)
         arrived = drained = 0
         for tp in tps:
             key = (tp.topic, tp.partition)
             end = ends.get(key, 0)
             done = committed.get(key, starts.get(key, 0))
-            depths[self.topics[tp.topic]] += max(0, end - done)
+            parts[self.topics[tp.topic]][tp.partition] = max(0, end - done)
+            ends_by_band[self.topics[tp.topic]] += end
             arrived += end
             drained += min(done, end)
-        return Reading(depths, arrived, drained, time.time() * 1000.0)
+        return Reading([sum(band) for band in parts], arrived, drained, time.time() * 1000.0, parts, ends_by_band)
 
     def _offsets(self, tps: list[TopicPartition], spec: OffsetSpec) -> dict[tuple[str, int], int]:
         futures = self.admin.list_offsets({tp: spec for tp in tps}, request_timeout=self.timeout_s)

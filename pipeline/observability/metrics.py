@@ -346,13 +346,16 @@ class GatewayMetrics:
                          ["priority"])
         self.eta = Gauge("llmq_gateway_eta_seconds",
                          "Estimated wait of a request admitted now, behind this band and the higher ones, at the "
-                         "current drain rate (+Inf: work waits and nothing drains).", ["priority"])
+                         "workers' measured capacity (+Inf: work waits and no capacity is known).", ["priority"])
         self.drain = Gauge("llmq_gateway_drain_rate", "Completions per second (smoothed over a few seconds).")
+        self.capacity = Gauge("llmq_gateway_capacity",
+                              "The workers' drain, in requests per second, while work waited for them: what ETAs "
+                              "divide by; kept through idle spells (0: not measured yet).")
         self.arrival = Gauge("llmq_gateway_arrival_rate",
                              "Requests per second written to the dispatch topics (smoothed over a few seconds).")
-        self.load = _BandGauge("llmq_gateway_load",
-                               "How long work in the band waits, over gateway.target_queue_ms (1 = the target; at "
-                               "most 10).", ["priority"])
+        self.load = Gauge("llmq_gateway_load",
+                          "How long work in the band waits, over gateway.target_queue_ms (1 = the target; at "
+                          "most 10).", ["priority"])
         self.fairness = Gauge("llmq_gateway_fairness_jain",
                               "Jain's index of the tenants' admitted/requested shares in the band over the last "
                               "minute (1 = even-handed, 1/n = one of n tenants served).", ["priority"])
@@ -373,7 +376,7 @@ class GatewayMetrics:
             self.degraded.labels(band.value)
         self.registry.register(_Collector([
             self.requests, self.rejections, self.dead_letters, self.degraded, self.reprioritised, self.finished,
-            self.depth, self.cap, self.eta, self.drain, self.arrival, self.load, self.fairness,
+            self.depth, self.cap, self.eta, self.drain, self.capacity, self.arrival, self.load, self.fairness,
             self.fairness_tenants, self.shadow, self.shadow_disagreements]))
 
     def outcome(self, priority: str, outcome: str, n: int = 1) -> None:
@@ -388,6 +391,7 @@ class GatewayMetrics:
             self.eta.labels(band).set(math.inf if eta is None else eta / 1000.0)
             self.load.labels(band).set(b["load"])
         self.drain.labels().set(snapshot["drain_rate_per_s"])
+        self.capacity.labels().set(snapshot.get("capacity_per_s", 0.0))
         self.arrival.labels().set(snapshot["arrival_rate_per_s"])
 
     def observe_fairness(self, priority: str, tenant: str, admitted: bool, reason: str | None = None) -> None:
@@ -412,17 +416,6 @@ class GatewayMetrics:
             else:
                 self.fairness.labels(band).set(index)
                 self.fairness_tenants.labels(band).set(window.tenants)
-
-
-class _BandGauge(Gauge):
-    """A per-band gauge that also takes the unlabelled ``labels()`` the gateway called while it had
-    one load for every band: that value goes nowhere, so the gateway keeps running until it calls
-    :meth:`GatewayMetrics.observe_queues` instead (then this class can go)."""
-
-    def labels(self, *values: str):
-        if not values:
-            return _Child()
-        return super().labels(*values)
 
 
 def serve(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1"):

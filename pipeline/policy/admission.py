@@ -11,7 +11,7 @@ that is not admitted):
 5. fairness: the tenant's outstanding cap in that band; demote down to the floor
                                        → REJECTED quota_exceeded + retry_after_ms
 6. bounded queue of the band           → REJECTED queue_full + retry_after_ms (drain rate)
-7. deadline cannot be met at the band's current ETA
+7. deadline cannot be met even at the fastest wait recent evidence allows
                                        → EXPIRED
 8. degradation: under load, a simple request that allows it gets the smaller model
 9. rate limits, every bucket, requests and tokens (of the model it will run on)
@@ -97,13 +97,15 @@ def estimate_prompt_tokens(prompt: str) -> int:
 
 class Admission:
     def __init__(self, priority: PriorityPolicy, limits: RateLimits, quotas: FairnessQuotas, queues: QueueModel,
-                 degrade: DegradePolicy, *, max_timeout_ms: int = 600_000, topics_prefix: str | None = None):
+                 degrade: DegradePolicy, *, max_timeout_ms: int = 600_000, topics_prefix: str | None = None,
+                 early_expiry: bool = True):
         self.priority = priority
         self.limits = limits
         self.quotas = quotas
         self.queues = queues
         self.degrade = degrade
         self.max_timeout_ms = max_timeout_ms
+        self.early_expiry = early_expiry
         #: Where a request's reply_to may point (under the pipeline's topic prefix).
         self.topics_prefix = topics_prefix
 
@@ -127,8 +129,8 @@ class Admission:
 
         queues, quotas, tenant = self.queues, self.quotas, req.tenant_id
         asked = req.priority.rank
-        load = queues.load(asked)
-        eta = queues.eta_ms(asked)
+        load = queues.load(asked, now_ms)
+        eta = queues.eta_ms(asked, now_ms, tenant)
         # The tenant's requests admitted and unfinished in the band, against what the band holds.
         share = state.outstanding[asked] / max(1, queues.depth[asked])
         wanted = effective_priority(req.priority, req.user_tier, left, eta if eta < _UNKNOWN else 0.0, load,
@@ -139,22 +141,24 @@ class Admission:
         band = placement.band
         if band is None:
             # Room comes back as the tenant's requests finish: about the band's ETA.
-            verdict = queues.check(effective.rank)
+            verdict = queues.check(effective.rank, now_ms=now_ms, tenant=tenant)
             retry = max(verdict.retry_after_ms, int(min(verdict.eta_ms, 60_000)), 100)
             return Decision(Action.REJECT, f"quota_exceeded: tenant has {quotas.cap(tenant, effective)} requests "
                                            f"outstanding in {effective.value} and every band down to "
                                            f"{quotas.floor.value}", retry_after_ms=retry, band=effective)
         if placement.demoted_from is not None:
             notes += (f"quota: demoted from {placement.demoted_from.value}",)
-        verdict = queues.check(band.rank)
+        verdict = queues.check(band.rank, now_ms=now_ms, tenant=tenant)
         if verdict.full:
             return Decision(Action.REJECT, f"queue_full: band {band.value} holds {queues.depth[band.rank]} requests "
                                            f"(cap {queues.caps[band.rank]})",
                             retry_after_ms=verdict.retry_after_ms, band=band, position=verdict.position)
-        # An unknown ETA (nothing has drained yet) is no reason to give up on a request.
-        if left < verdict.eta_ms < _UNKNOWN:
-            return Decision(Action.EXPIRE, f"expired: deadline cannot be met (queue ETA {verdict.eta_ms:.0f} ms, "
-                                           f"{left} ms left)", band=band)
+        # Only on evidence: the wait even at the fastest recent drain (0 when the evidence is thin
+        # or old). Otherwise the request is admitted, and a worker expires it if its deadline
+        # passes before it starts.
+        if self.early_expiry and left < verdict.eta_floor_ms:
+            return Decision(Action.EXPIRE, f"expired: deadline cannot be met (queue wait at least "
+                                           f"{verdict.eta_floor_ms:.0f} ms, {left} ms left)", band=band)
 
         model, degraded_from = req.model, None
         d = self.degrade
@@ -173,7 +177,7 @@ class Admission:
 
         state.charged_at(at)
         state.admitted(band.rank)
-        queues.admitted(band.rank)
+        queues.admitted(band.rank, tenant, req.request_id, now_ms)
         return Decision(Action.DISPATCH, band=band, model=model, degraded_from=degraded_from,
                         position=verdict.position, eta_ms=verdict.eta_ms, notes=notes, charged_tokens=charged)
 

@@ -7,30 +7,47 @@ numbers, so caps, positions and ETAs are global) and adds what it admitted itsel
 observation. From the same offsets come the *drain rate* (committed offsets advancing) and the
 *arrival rate* (end offsets advancing), both smoothed with a time constant of a few seconds.
 
+*ETA*, per band and tenant: the requests served before a new one, in the order workers serve
+them (every higher band first; inside the band, its partitions in turn: :mod:`pipeline.policy.eta`)
+as the last reading had them, less what drained since and what is already running, plus what was
+admitted here since; over the drain that band gets: the workers' *capacity* (their drain while
+work waited for them, :mod:`pipeline.policy.capacity`) less what the higher bands keep bringing,
+but at least the band's minimum share. Capacity outlives an idle spell, so the first burst after
+a quiet night is judged by the last measured capacity; before anything was measured the ETA is
+unknown (inf), never a guess. A request is refused as unable to meet its deadline only against
+:meth:`QueueModel.eta_floor_ms`, the wait at twice the fastest recent capacity (room for more
+workers), and only when recent saturated readings back it.
+
 *Load*, per band, is how long work in that band waits, relative to ``target_queue_ms``: the queue
-wait that the band's finished requests report (``started_at − admitted_at``, smoothed), or, once
-the queue ahead of a new request is deep, the time it takes to drain at the current rate,
-whichever is longer. A BACKGROUND backlog, which is there by design, is no load for NORMAL. It needs no estimate of the workers'
-capacity, which the gateway cannot measure while they keep up (drain then equals arrivals,
-whatever they could do). When the workers slow down or disappear, waits and drain times grow and
-the load rises with them; a backlog that does not drain at all is overload.
+wait that the band's finished requests report (``started_at − admitted_at``, smoothed, fading
+once nothing waits), or, once the queue ahead of a new request is deep, its ETA, whichever is
+longer. A BACKGROUND backlog, which is there by design, is no load for NORMAL. When the workers
+slow down or disappear under load, the capacity they show falls, and waits and ETAs grow with it;
+a backlog that does not drain at all is overload.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from pipeline.models import BANDS
+from pipeline.policy.capacity import Capacity
+from pipeline.policy.eta import ahead_of
 
 N_BANDS = len(BANDS)
+#: How much each completion moves a band's calibration (about the last 20 completions count).
+CALIBRATION_WEIGHT = 0.05
 
 
 class QueueVerdict(NamedTuple):
     full: bool
-    position: int  # 1-based: requests ahead of it (this and higher bands) + 1
+    position: int  # 1-based: requests served before it (higher bands, its band in the workers' turns) + 1
     eta_ms: float  # estimated wait before a worker starts it (inf: unknown)
     retry_after_ms: int = 0
+    #: The shortest wait the evidence allows (0: too little recent evidence to say): a deadline
+    #: shorter than this cannot be met, whatever the estimate's error.
+    eta_floor_ms: float = 0.0
 
 
 class Rate:
@@ -55,11 +72,19 @@ class Rate:
 
 
 class QueueModel:
-    """Depth and drain of each band; ``caps[rank]`` bounds a band's depth (0 = unbounded)."""
+    """Depth and drain of each band; ``caps[rank]`` bounds a band's depth (0 = unbounded).
+
+    ``commit_lag_ms``: how long a finished request stays in the depth before its worker commits
+    it (about the workers' commit interval). ``optimism``: how much faster than the fastest
+    recent drain the workers may become (more of them start) before a request is refused as
+    unable to meet its deadline.
+    """
 
     def __init__(self, caps: list[int], *, default_rate_per_s: float = 0.0, min_retry_ms: int = 100,
                  max_retry_ms: int = 60_000, target_queue_ms: float = 2_000.0, tau_ms: float = 3_000.0,
-                 deep: int = 100):
+                 deep: int = 100, commit_lag_ms: float = 500.0, optimism: float = 2.0,
+                 capacity: Capacity | None = None, partition_of: Callable[[str], int] | None = None,
+                 min_shares: list[float] | None = None, max_predicted: int = 50_000):
         assert len(caps) == N_BANDS
         self.caps = list(caps)
         self.default_rate = default_rate_per_s
@@ -70,33 +95,96 @@ class QueueModel:
         #: A queue this deep (all bands) counts by its drain time too: below it, the requests
         #: in it are mostly the ones workers hold in flight, whatever the rate.
         self.deep = deep
+        self.commit_lag_ms = commit_lag_ms
+        self.optimism = optimism
+        self.capacity = capacity or Capacity(tau_ms=tau_ms)
         self._wait_ms = [0.0] * N_BANDS
         self._waited_at: list[float | None] = [None] * N_BANDS
+        self._service_ms: float | None = None  # started → finished, smoothed over every band
         self._observed = [0] * N_BANDS  # the depths of the last observation
         self._local = [0] * N_BANDS  # admitted here since then
+        #: The dispatch partition of a tenant's requests; with the partitions' depths, the ETA
+        #: follows the workers' turns between partitions (policy/eta.py).
+        self.partition_of = partition_of
+        self._parts: list[list[int]] = [[0] for _ in range(N_BANDS)]  # per band, per partition
+        self._local_parts: list[dict[int, int]] = [{} for _ in range(N_BANDS)]
+        self._memo: tuple | None = None  # (key, ahead) of the last _ahead
+        #: Calibration: per band, how much longer (ms) requests waited than the model predicted,
+        #: smoothed over their completions; the model's raw predictions of requests in flight.
+        self._bias_ms = [0.0] * N_BANDS
+        self._predicted: dict[str, tuple[int, float]] = {}
+        self.max_predicted = max_predicted
         self._drain = Rate(tau_ms)
         self._arrivals = Rate(tau_ms)
+        #: Per band: what arrives (a lower band waits for the higher bands' new work too), and
+        #: the share the workers keep for it however busy the higher bands are (worker.band_min_share).
+        # Slow (30 s): a burst that arrived is in the depths already; what counts is what goes on arriving.
+        self._band_arrivals = [Rate(30_000.0) for _ in range(N_BANDS)]
+        self.min_shares = list(min_shares) if min_shares is not None else [0.0] * N_BANDS
+        self._drained: int | None = None  # the last observation's drain total
+        self._at: float | None = None  # ... and its time
         self.observations = 0
 
     # -- what the gateway tells it -------------------------------------------------------
 
-    def observe(self, depths: list[int], arrived_total: int, drained_total: int, now_ms: float) -> None:
-        """The dispatch topics' offsets: per band, end minus committed; over all bands, the sums
-        of end and of committed offsets (running totals)."""
-        self._observed = [max(0, d) for d in depths]
+    def observe(self, depths: list[int], arrived_total: int, drained_total: int, now_ms: float,
+                partitions: list[list[int]] | None = None, arrived: list[int] | None = None) -> None:
+        """The dispatch topics' offsets: per band, end minus committed (and the same per band and
+        partition, if known); over all bands, the sums of end and of committed offsets (running
+        totals)."""
+        depths = [max(0, d) for d in depths]
+        self._parts = ([[max(0, d) for d in band] for band in partitions] if partitions is not None
+                       else [[d] for d in depths])
+        self._local_parts = [{} for _ in range(N_BANDS)]
+        self._memo = None
+        if self._drained is not None and self._at is not None and drained_total >= self._drained:
+            backlog = min(sum(self._observed), sum(depths))
+            self.capacity.pipeline_ms = (self._service_ms or 0.0) + self.commit_lag_ms
+            self.capacity.observe(drained_total - self._drained, now_ms - self._at, backlog,
+                                  self._pipeline(), now_ms)
+        self._observed = depths
         self._local = [0] * N_BANDS
+        self._drained, self._at = drained_total, now_ms
         self._drain.observe(drained_total, now_ms)
         self._arrivals.observe(arrived_total, now_ms)
+        if arrived is not None:
+            for rate, total in zip(self._band_arrivals, arrived):
+                rate.observe(total, now_ms)
         self.observations += 1
 
-    def admitted(self, rank: int) -> None:
+    def admitted(self, rank: int, tenant: str | None = None, request_id: str | None = None,
+                 now_ms: float | None = None) -> None:
+        """A request was admitted to band ``rank``. With its id, the wait the model predicts for it
+        is remembered, to calibrate the model by the wait its completion reports."""
+        if request_id is not None:
+            rate = self._rate_for(rank, self.capacity_per_s())
+            if rate > 0:
+                predicted = self._predicted
+                if len(predicted) >= self.max_predicted:
+                    del predicted[next(iter(predicted))]
+                predicted[request_id] = (rank, self._ahead(rank, now_ms, tenant) * 1000.0 / rate)
         self._local[rank] += 1
+        if tenant is not None and self.partition_of is not None:
+            local = self._local_parts[rank]
+            p = self.partition_of(tenant)
+            local[p] = local.get(p, 0) + 1
+        self._memo = None
 
-    def waited(self, rank: int, wait_ms: float, now_ms: float) -> None:
-        """A finished request of band ``rank`` waited ``wait_ms`` before a worker started it."""
+    def waited(self, rank: int, wait_ms: float, now_ms: float, service_ms: float | None = None,
+               request_id: str | None = None) -> None:
+        """A finished request of band ``rank`` waited ``wait_ms`` before a worker started it, and
+        then ran ``service_ms``."""
+        predicted = self._predicted.pop(request_id, None) if request_id is not None else None
+        if predicted is not None and predicted[0] == rank:
+            # What the model does not see (hand-offs, the workers' read-ahead): learnt, per band.
+            bias = self._bias_ms
+            bias[rank] += (wait_ms - predicted[1] - bias[rank]) * CALIBRATION_WEIGHT
         last, self._waited_at[rank] = self._waited_at[rank], now_ms
         weight = 1.0 if last is None else 1.0 - math.exp(-max(0.0, now_ms - last) / self.tau_ms)
         self._wait_ms[rank] += (max(0.0, wait_ms) - self._wait_ms[rank]) * weight
+        if service_ms is not None and service_ms >= 0:
+            s = self._service_ms
+            self._service_ms = float(service_ms) if s is None else s + (service_ms - s) * 0.05
 
     # -- estimates ------------------------------------------------------------------------
 
@@ -104,54 +192,139 @@ class QueueModel:
     def depth(self) -> list[int]:
         return [o + local for o, local in zip(self._observed, self._local)]
 
+    def capacity_per_s(self) -> float:
+        """The workers' drain while they have work (requests/s; 0: not known yet)."""
+        return self.capacity.per_s or self.default_rate
+
     def drain_rate(self) -> float:
+        """What the workers drained recently (requests/s), busy or not."""
         return self._drain.per_s if self.observations > 1 else self.default_rate
 
     def arrival_rate(self) -> float:
         return self._arrivals.per_s if self.observations > 1 else 0.0
 
-    def queued_ms(self) -> float:
-        """How long the work in every band takes to drain at the current rate (inf: nothing drains)."""
-        return _eta_ms(sum(self.depth), self.drain_rate())
+    def _pipeline(self) -> float:
+        """How many requests of a depth no longer wait: running in a worker, or finished and not
+        yet committed (Little's law: drain × time through the workers). The drain is the recent
+        one, or the capacity if that is higher (after an idle spell the recent drain is nothing,
+        yet a burst fills the workers at once)."""
+        rate = max(self.drain_rate(), self.capacity.per_s or 0.0)
+        return rate * ((self._service_ms or 0.0) + self.commit_lag_ms) / 1000.0
 
-    def load(self, rank: int) -> float:
+    def _partition(self, tenant: str | None) -> int | None:
+        return None if tenant is None or self.partition_of is None else self.partition_of(tenant)
+
+    def _ahead(self, rank: int, now_ms: float | None, tenant: str | None = None) -> float:
+        """The requests a new one of band ``rank`` (and ``tenant``'s partition, if known) would
+        wait behind, in the order workers serve them (policy/eta.py).
+
+        The last reading's depths count what finished and is not yet committed (about half a
+        commit interval of drain) and miss what drained since (at the capacity); the requests
+        the workers are running (capacity × service time: their slots) wait no more; what this
+        gateway admitted since comes on top."""
+        partition = self._partition(tenant)
+        key = (rank, partition, now_ms)
+        memo = self._memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        served = max(self.drain_rate(), self.capacity_per_s()) * (self._service_ms or 0.0) / 1000.0
+        if sum(self._observed[: rank + 1]):
+            served += self.drain_rate() * self.commit_lag_ms / 2000.0
+            if now_ms is not None and self._at is not None and now_ms > self._at:
+                served += self.capacity_per_s() * (now_ms - self._at) / 1000.0
+        bands = []
+        for b in range(rank + 1):
+            parts, local = self._parts[b], self._local_parts[b]
+            queues = [float(d) for d in parts]
+            unplaced = self._local[b] - sum(local.values())
+            for p, n in local.items():
+                if p < len(queues):
+                    queues[p] += n
+                else:
+                    unplaced += n
+            if unplaced:  # admitted without a known partition: spread over the band
+                queues = [q + unplaced / len(queues) for q in queues]
+            bands.append(queues)
+        ahead = ahead_of(bands, rank, partition, served)
+        self._memo = (key, ahead)
+        return ahead
+
+    def queued_ms(self) -> float:
+        """How long the work in every band takes to drain at the capacity (inf: nothing drains)."""
+        return self.eta_ms(N_BANDS - 1)
+
+    def _rate_for(self, rank: int, capacity: float) -> float:
+        """The drain a band's waiting requests get from ``capacity``: what the higher bands'
+        arrivals leave of it (they are served first), but at least the band's minimum share."""
+        if rank == 0 or capacity <= 0:
+            return capacity
+        higher = sum(self._band_arrivals[b].per_s for b in range(rank))
+        return max(capacity - higher, capacity * self.min_shares[rank], capacity * 0.01)
+
+    def eta_ms(self, rank: int, now_ms: float | None = None, tenant: str | None = None) -> float:
+        """How long a request admitted to band ``rank`` now waits before a worker starts it
+        (inf: unknown, nothing measured yet)."""
+        return self._calibrated(rank, _eta_ms(self._ahead(rank, now_ms, tenant),
+                                              self._rate_for(rank, self.capacity_per_s())))
+
+    def _calibrated(self, rank: int, eta: float) -> float:
+        return eta if eta == float("inf") else max(0.0, eta + self._bias_ms[rank])
+
+    def eta_floor_ms(self, rank: int, now_ms: float | None = None, tenant: str | None = None) -> float:
+        """The shortest wait the evidence allows: the wait at ``optimism`` times the fastest
+        recent drain, or 0 without enough recent saturated readings (never refuse on a guess)."""
+        at = self._at if now_ms is None else now_ms
+        if at is None or not self.capacity.trusted(at):
+            return 0.0
+        fastest = self.capacity.fastest(at) * self.optimism
+        return _eta_ms(self._ahead(rank, now_ms, tenant), self._rate_for(rank, fastest)) if fastest > 0 else 0.0
+
+    def load(self, rank: int, now_ms: float | None = None) -> float:
         """How long work in band ``rank`` waits, over ``target_queue_ms`` (1.0: that long), at most 10."""
         wait = self._wait_ms[rank]
+        waited_at = self._waited_at[rank]
+        now = self._at if now_ms is None else now_ms
+        if wait and waited_at is not None and now is not None and self._ahead(rank, now_ms) <= 0:
+            # Nothing waits in the band now: what finished requests reported fades with time.
+            wait *= math.exp(-max(0.0, now - waited_at) / self.tau_ms)
         if sum(self.depth[: rank + 1]) >= self.deep:
-            queued = self.eta_ms(rank)
+            queued = self.eta_ms(rank, now_ms)
             if queued == float("inf"):
                 # A backlog that does not drain at all: overloaded, once the rates have been seen.
                 return 10.0 if self.observations > 3 else min(10.0, wait / self.target_queue_ms)
             wait = max(wait, queued)
         return min(10.0, wait / self.target_queue_ms)
 
-    def eta_ms(self, rank: int) -> float:
-        return _eta_ms(sum(self.depth[: rank + 1]), self.drain_rate())
-
-    def check(self, rank: int, cap: int | None = None) -> QueueVerdict:
+    def check(self, rank: int, cap: int | None = None, now_ms: float | None = None,
+              tenant: str | None = None) -> QueueVerdict:
         """Whether band ``rank`` has room for one more (under ``cap``, by default its own), and
-        where it would stand."""
+        where ``tenant``'s request would stand: its position (1-based) and ETA in the workers'
+        order."""
         depth = self.depth
-        rate = self.drain_rate()
-        ahead = sum(depth[: rank + 1])
-        eta = _eta_ms(ahead, rate)
+        ahead = self._ahead(rank, now_ms, tenant)
+        eta = self._calibrated(rank, _eta_ms(ahead, self._rate_for(rank, self.capacity_per_s())))
+        position = int(round(ahead)) + 1
         cap = self.caps[rank] if cap is None else cap
         if cap and depth[rank] >= cap:
-            # Until the band has drained below its cap at the current rate.
+            # Until the band has drained below its cap at the measured capacity.
+            rate = self.capacity_per_s()
             excess = depth[rank] - cap + 1
             retry = excess * 1000.0 / rate if rate > 0 else self.max_retry_ms
             retry_ms = int(min(max(retry, self.min_retry_ms), self.max_retry_ms))
-            return QueueVerdict(True, ahead + 1, eta, retry_ms)
-        return QueueVerdict(False, ahead + 1, eta, 0)
+            return QueueVerdict(True, position, eta, retry_ms)
+        return QueueVerdict(False, position, eta, 0, self.eta_floor_ms(rank, now_ms, tenant))
 
     def snapshot(self) -> dict:
         """What ``GET /v1/queue`` shows."""
         depth = self.depth
+        at = self._at or 0.0
         return {"drain_rate_per_s": round(self.drain_rate(), 2), "arrival_rate_per_s": round(self.arrival_rate(), 2),
+                "capacity_per_s": round(self.capacity_per_s(), 2), "capacity_evidence": self.capacity.evidence(at),
                 "queued_ms": _finite(self.queued_ms()),
                 "bands": {p.value: {"depth": depth[p.rank], "cap": self.caps[p.rank],
                                     "eta_ms": _finite(self.eta_ms(p.rank)),
                                     "wait_ms": round(self._wait_ms[p.rank], 1),
+                                    "eta_bias_ms": round(self._bias_ms[p.rank], 1),
                                     "load": round(self.load(p.rank), 3)} for p in BANDS}}
 
 
@@ -168,16 +341,17 @@ class CappedView:
     def depth(self) -> list[int]:
         return self.model.depth
 
-    def load(self, rank: int) -> float:
-        return self.model.load(rank)
+    def load(self, rank: int, now_ms: float | None = None) -> float:
+        return self.model.load(rank, now_ms)
 
-    def eta_ms(self, rank: int) -> float:
-        return self.model.eta_ms(rank)
+    def eta_ms(self, rank: int, now_ms: float | None = None, tenant: str | None = None) -> float:
+        return self.model.eta_ms(rank, now_ms, tenant)
 
-    def check(self, rank: int) -> QueueVerdict:
-        return self.model.check(rank, self.caps[rank])
+    def check(self, rank: int, now_ms: float | None = None, tenant: str | None = None) -> QueueVerdict:
+        return self.model.check(rank, self.caps[rank], now_ms, tenant)
 
-    def admitted(self, rank: int) -> None:
+    def admitted(self, rank: int, tenant: str | None = None, request_id: str | None = None,
+                 now_ms: float | None = None) -> None:
         """Not counted: the shadow admits nothing."""
 
 

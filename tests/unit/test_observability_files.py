@@ -75,7 +75,7 @@ _GAUGES = (
 _GATEWAY = (
     "llmq_gateway_degraded_total", "llmq_gateway_reprioritised_total", "llmq_gateway_finished_total",
     "llmq_gateway_queue_depth", "llmq_gateway_queue_cap", "llmq_gateway_eta_seconds", "llmq_gateway_drain_rate",
-    "llmq_gateway_arrival_rate", "llmq_gateway_load", "llmq_gateway_fairness_jain", "llmq_gateway_fairness_tenants",
+    "llmq_gateway_capacity", "llmq_gateway_arrival_rate", "llmq_gateway_load", "llmq_gateway_fairness_jain", "llmq_gateway_fairness_tenants",
     "llmq_gateway_shadow_decisions_total", "llmq_gateway_shadow_disagreements_total",
 )
 _SHARED_WITH_THE_GATEWAY = ("llmq_requests_total", "llmq_rejections_total", "llmq_dead_letters_total")

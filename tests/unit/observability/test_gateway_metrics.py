@@ -58,12 +58,18 @@ def test_eta_is_infinite_when_work_waits_and_nothing_drains():
     assert _band("llmq_gateway_eta_seconds", "CRITICAL", s) == 0.0  # nothing ahead of it
 
 
-def test_the_unlabelled_load_of_the_old_gateway_code_is_accepted_and_not_exported():
+def test_per_band_gauges_need_their_band():
     m = GatewayMetrics()
-    m.load.labels().set(0.7)
-    assert not [k for k in _samples(m) if k[0] == "llmq_gateway_load"]
-    with pytest.raises(ValueError):
-        m.depth.labels()
+    for gauge in (m.load, m.depth, m.eta):
+        with pytest.raises(ValueError):
+            gauge.labels()
+
+
+def test_capacity_is_exported_and_zero_until_measured():
+    m = GatewayMetrics()
+    q = QueueModel([0] * len(BANDS))
+    m.observe_queues(q.snapshot())
+    assert _samples(m)[("llmq_gateway_capacity", ())] == 0.0
 
 
 def test_fairness_index_per_band_over_the_window():

@@ -87,12 +87,35 @@ def test_a_full_band_rejects_queue_full_and_a_rate_limit_is_not_spent():
     assert adm.decide(req(), NOW, state).action is Action.DISPATCH  # the refused one spent no budget
 
 
-def test_a_deadline_the_queue_cannot_meet_expires_at_once():
+def test_a_deadline_the_queue_cannot_meet_even_at_twice_the_fastest_drain_expires_at_once():
     adm = make()
     draining(adm, 100, depths=(0, 0, 1_000, 0, 0))  # 10 s of work ahead at 100/s
     # The tenant's own backlog: the load moves its urgent request back down to NORMAL.
-    d = adm.decide(req(timeout_ms=5_000, prompt="x"), NOW, TenantState(outstanding=[0, 0, 1_000, 0, 0]))
+    d = adm.decide(req(timeout_ms=3_000, prompt="x"), NOW, TenantState(outstanding=[0, 0, 1_000, 0, 0]))
     assert d.action is Action.EXPIRE and "cannot be met" in d.reason
+    # 5 s would be enough were the workers twice as fast (more of them started): admitted.
+    d = adm.decide(req(timeout_ms=5_000, prompt="x"), NOW, TenantState(outstanding=[0, 0, 1_000, 0, 0]))
+    assert d.action is Action.DISPATCH and d.eta_ms > 5_000
+
+
+def test_after_an_idle_spell_a_burst_is_admitted_with_the_last_capacity_as_its_eta():
+    adm = make()
+    draining(adm, 100, depths=(0, 0, 1_000, 0, 0))  # capacity measured: 100/s
+    later = NOW + 100_000
+    for i in range(1, 201):  # 100 s of nothing: no work, no drain
+        adm.queues.observe([0] * 5, 100_000, 100_000, NOW + i * 500)
+    decisions = [adm.decide(req(created_at=later, timeout_ms=2_000, prompt="x"), later, TenantState())
+                 for _ in range(300)]
+    assert all(d.action is Action.DISPATCH for d in decisions)  # no recent evidence: never refused early
+    # The 300th waits behind 299 at the capacity measured before the idle spell, not forever.
+    assert decisions[-1].eta_ms < 3_100
+
+
+def test_without_any_drain_measured_nothing_is_refused_as_too_late():
+    adm = make()
+    adm.queues.observe([0, 0, 5_000, 0, 0], 5_000, 0, NOW - 500)
+    d = adm.decide(req(prompt="x"), NOW, TenantState())
+    assert d.action is Action.DISPATCH and d.eta_ms == float("inf")
 
 
 def test_a_tenant_with_nothing_queued_in_a_loaded_band_keeps_its_band_and_its_urgency():

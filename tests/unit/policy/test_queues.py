@@ -50,7 +50,7 @@ def test_position_counts_this_band_and_every_higher_one_and_what_was_admitted_he
 
 
 def test_eta_from_the_drain_rate():
-    q = QueueModel([0] * 5)
+    q = QueueModel([0] * 5, commit_lag_ms=0)
     observed(q, 100, depths=(0, 0, 50, 0, 0))
     assert q.eta_ms(NORMAL) == pytest.approx(500, rel=0.05)
     assert q.eta_ms(Priority.CRITICAL.rank) == 0
@@ -72,9 +72,9 @@ def test_without_any_drain_measured_retry_after_is_the_maximum_and_eta_unknown()
 
 def test_load_is_how_long_a_band_waits_over_the_target():
     q = QueueModel([0] * 5, target_queue_ms=2_000)
-    observed(q, 100)
+    at = observed(q, 100)
     assert q.load(NORMAL) == 0
-    q.waited(NORMAL, 3_000, T0)
+    q.waited(NORMAL, 3_000, at)
     assert q.load(NORMAL) == pytest.approx(1.5)
     assert q.load(Priority.HIGH.rank) == 0  # another band's wait is not this band's
 

@@ -1,0 +1,56 @@
+"""How many requests a new one waits behind, in the order workers serve them. Pure, no I/O.
+
+Workers serve bands strictly (every higher band first) and, inside a band, its partitions in
+turn (``worker/backlog.py``): one request of each partition with work, then the next round. The
+gateway keys dispatch records by tenant, so a partition is a group of tenants. A new request
+that is the k-th of its partition therefore waits for everything in the higher bands, for its
+own partition's k − 1, and for about k of every other partition of its band (or all it has): a tenant alone
+on a short partition is served within a round however deep its neighbours' backlogs are, and a
+tenant with a deep backlog waits for it, the way the workers actually serve them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def served_in_turn(queues: Sequence[float], n: float) -> list[float]:
+    """``queues`` after ``n`` requests were served from them in turn (water-filling: every queue
+    loses the same number, or all it has)."""
+    if n <= 0:
+        return list(queues)
+    total = sum(queues)
+    if n >= total:
+        return [0.0] * len(queues)
+    level, left, rest = 0.0, n, sorted(q for q in queues if q > 0)
+    # Raise the level queue by queue: the shortest ones empty first.
+    for i, q in enumerate(rest):
+        width = len(rest) - i
+        step = q - level
+        if step * width >= left:
+            level += left / width
+            break
+        left -= step * width
+        level = q
+    return [max(0.0, q - level) for q in queues]
+
+
+def ahead_of(bands: Sequence[Sequence[float]], rank: int, partition: int | None, served: float) -> float:
+    """The requests served before a new one of band ``rank`` in ``partition`` (None: unknown, so
+    first come first served over the band), once ``served`` more of the current ones are gone
+    (highest band first). ``bands[b][p]``: requests waiting in band ``b``'s partition ``p``."""
+    ahead = 0.0
+    for b in range(rank):
+        total = sum(bands[b])
+        if served >= total:
+            served -= total
+        else:
+            ahead += total - served
+            served = 0.0
+    queues = served_in_turn(bands[rank], served)
+    if partition is None or not 0 <= partition < len(queues):
+        return ahead + sum(queues)
+    k = queues[partition] + 1.0  # the new request is the k-th of its partition
+    # Another partition is served k times before it or k − 1, by where the turn stands: half a
+    # request each, on average.
+    return ahead + (k - 1.0) + sum(min(q, k - 0.5) for i, q in enumerate(queues) if i != partition)
