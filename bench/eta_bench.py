@@ -6,8 +6,9 @@ One gateway and llmq workers as processes, on the shipped defaults; the workers 
 model (``inflight`` slots × ``latency_ms``), so their capacity is known. Four loads, each on new
 topics, each run ``rounds`` times:
 
-- ``steady``: a standing queue of about ``QUEUE_S`` of work, fed at the workers' capacity;
-- ``burst_after_idle``: a burst, ``IDLE_S`` of nothing, then the measured burst;
+- ``steady``: a standing queue of about ``QUEUE_S`` of work, fed at 97 % of the workers' capacity;
+- ``burst_after_idle``: a burst of ``BURST_S`` of work, ``IDLE_S`` of nothing, then the same burst,
+  measured;
 - ``worker_killed``: the steady load on two workers, one SIGKILLed a third of the way in;
 - ``other_band_flood``: the steady load in NORMAL beside a BACKGROUND flood of twice the capacity.
 
@@ -33,7 +34,10 @@ from pipeline.serde import Codec
 
 INFLIGHT, LATENCY_MS = 8, 50
 CAPACITY = INFLIGHT * 1000 / LATENCY_MS  # requests/s of one worker
-QUEUE_S, SECONDS, IDLE_S, DEADLINE_S = 3.0, 24.0, 60.0, 20.0
+#: The standing queue of the steady loads (s of work: a wait under gateway.target_queue_ms, so the
+#: load stays below high_load and nothing is demoted), the burst (s of work), the run, the idle
+#: spell before the measured burst, and every request's deadline.
+QUEUE_S, BURST_S, SECONDS, IDLE_S, DEADLINE_S = 1.0, 3.0, 24.0, 60.0, 20.0
 TENANTS = [f"eta-{i}" for i in range(8)]
 #: Waits under this are counted as this in the ratio: a client cannot act on a smaller difference.
 FLOOR_MS = 50
@@ -55,9 +59,9 @@ def _schedule(load: str, workers: int) -> tuple[list[tuple[float, Request]], lis
     second at which to SIGKILL a worker (0: none)."""
     cap = CAPACITY * workers
     if load == "burst_after_idle":
-        first = _requests(int(cap * QUEUE_S), "calibrate")
-        second = _requests(int(cap * QUEUE_S), "measured")
-        start = QUEUE_S * 2 + IDLE_S
+        first = _requests(int(cap * BURST_S), "calibrate")
+        second = _requests(int(cap * BURST_S), "measured")
+        start = BURST_S * 2 + IDLE_S
         return [(0.0, r) for r in first] + [(start, r) for r in second], second, 0.0
     # A standing queue: QUEUE_S of work at once, then arrivals at the capacity.
     backlog = _requests(int(cap * QUEUE_S), "backlog")
@@ -171,7 +175,7 @@ def eta_accuracy(settings, args) -> dict:
                                   "expired_at_admission": sum(x["expired_at_admission"] for x in runs),
                                   "runs": runs}
     out.update({"overrides": {}, "rounds": rounds, "worker": f"{INFLIGHT} slots x {LATENCY_MS} ms (simulated)",
-                "capacity_per_s": CAPACITY, "deadline_s": DEADLINE_S, "idle_s": IDLE_S, "queue_s": QUEUE_S,
+                "capacity_per_s": CAPACITY, "deadline_s": DEADLINE_S, "idle_s": IDLE_S, "queue_s": QUEUE_S, "burst_s": BURST_S,
                 "floor_ms": FLOOR_MS,
                 "measured": "per request: predicted = the QUEUED answer's eta_ms, actual = started_at - admitted_at; "
                             f"ratio = max(predicted, {FLOOR_MS}) / max(actual, {FLOOR_MS}); error_factor = the ratio "

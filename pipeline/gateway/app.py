@@ -272,7 +272,7 @@ class Gateway:
         loop = self.app.loop
         if not loop.is_closed():
             loop.call_soon_threadsafe(self.queues.observe, reading.depths, reading.arrived, reading.drained,
-                                      reading.at_ms, reading.partitions, reading.arrivals)
+                                      reading.at_ms, reading.partitions, reading.arrivals, reading.ends)
 
     def _cancelled(self, request_id: str) -> bool:
         return self.cancellations is not None and self.cancellations.reason(request_id) is not None

@@ -35,6 +35,7 @@ class Reading:
     at_ms: float
     partitions: list[list[int]] | None = None  # per band rank, per dispatch partition
     arrivals: list[int] | None = None  # per band rank: sum of end offsets
+    ends: list[list[int]] | None = None  # per band rank, per dispatch partition: end offsets
 
 
 class DispatchDepths:
@@ -79,6 +80,7 @@ class DispatchDepths:
         missing = [tp for tp in tps if (tp.topic, tp.partition) not in committed]
         starts = self._offsets(missing, OffsetSpec.earliest()) if missing else {}
         parts = [[0] * self.partitions for _ in BANDS]
+        part_ends = [[0] * self.partitions for _ in BANDS]
         ends_by_band = [0] * len(BANDS)
         arrived = drained = 0
         for tp in tps:
@@ -87,9 +89,11 @@ class DispatchDepths:
             done = committed.get(key, starts.get(key, 0))
             parts[self.topics[tp.topic]][tp.partition] = max(0, end - done)
             ends_by_band[self.topics[tp.topic]] += end
+            part_ends[self.topics[tp.topic]][tp.partition] = end
             arrived += end
             drained += min(done, end)
-        return Reading([sum(band) for band in parts], arrived, drained, time.time() * 1000.0, parts, ends_by_band)
+        return Reading([sum(band) for band in parts], arrived, drained, time.time() * 1000.0, parts, ends_by_band,
+                       part_ends)
 
     def _offsets(self, tps: list[TopicPartition], spec: OffsetSpec) -> dict[tuple[str, int], int]:
         futures = self.admin.list_offsets({tp: spec for tp in tps}, request_timeout=self.timeout_s)

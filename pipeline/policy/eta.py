@@ -6,7 +6,9 @@ gateway keys dispatch records by tenant, so a partition is a group of tenants. A
 that is the k-th of its partition therefore waits for everything in the higher bands, for its
 own partition's k − 1, and for about k of every other partition of its band (or all it has): a tenant alone
 on a short partition is served within a round however deep its neighbours' backlogs are, and a
-tenant with a deep backlog waits for it, the way the workers actually serve them.
+tenant with a deep backlog waits for it, the way the workers actually serve them. And while it
+waits, the other partitions' new requests take their turns too: a partition with a backlog
+drains at its max-min fair share of the band's drain (:func:`fair_share`), not at all of it.
 """
 
 from __future__ import annotations
@@ -35,22 +37,40 @@ def served_in_turn(queues: Sequence[float], n: float) -> list[float]:
     return [max(0.0, q - level) for q in queues]
 
 
-def ahead_of(bands: Sequence[Sequence[float]], rank: int, partition: int | None, served: float) -> float:
+def ahead_of(bands: Sequence[Sequence[float]], rank: int, partition: int | None,
+             served: float) -> tuple[float, float, float]:
     """The requests served before a new one of band ``rank`` in ``partition`` (None: unknown, so
     first come first served over the band), once ``served`` more of the current ones are gone
-    (highest band first). ``bands[b][p]``: requests waiting in band ``b``'s partition ``p``."""
-    ahead = 0.0
+    (highest band first). ``bands[b][p]``: requests waiting in band ``b``'s partition ``p``.
+    Returns (that many, how many of them are the higher bands', k: the new request's place in
+    its partition)."""
+    higher = 0.0
     for b in range(rank):
         total = sum(bands[b])
         if served >= total:
             served -= total
         else:
-            ahead += total - served
+            higher += total - served
             served = 0.0
     queues = served_in_turn(bands[rank], served)
     if partition is None or not 0 <= partition < len(queues):
-        return ahead + sum(queues)
+        own = sum(queues)
+        return higher + own, higher, own + 1.0
     k = queues[partition] + 1.0  # the new request is the k-th of its partition
     # Another partition is served k times before it or k − 1, by where the turn stands: half a
     # request each, on average.
-    return ahead + (k - 1.0) + sum(min(q, k - 0.5) for i, q in enumerate(queues) if i != partition)
+    others = sum(min(q, k - 0.5) for i, q in enumerate(queues) if i != partition)
+    return higher + (k - 1.0) + others, higher, k
+
+
+def fair_share(capacity: float, others: Sequence[float]) -> float:
+    """The drain a partition with a backlog gets when the workers serve partitions in turn and
+    the ``others`` keep arriving at their rates: max-min fair (an other that asks for less than
+    an equal share takes what it asks, the rest is split evenly)."""
+    left, rest = capacity, sorted(r for r in others if r > 0)
+    for i, rate in enumerate(rest):
+        even = left / (len(rest) - i + 1)
+        if rate >= even:
+            return even
+        left -= rate
+    return left

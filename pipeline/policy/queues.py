@@ -33,11 +33,13 @@ from typing import Callable, NamedTuple
 
 from pipeline.models import BANDS
 from pipeline.policy.capacity import Capacity
-from pipeline.policy.eta import ahead_of
+from pipeline.policy.eta import ahead_of, fair_share
 
 N_BANDS = len(BANDS)
 #: How much each completion moves a band's calibration (about the last 20 completions count).
 CALIBRATION_WEIGHT = 0.05
+#: The most one completion's error may count (ms): one stray wait must not swing every quote.
+MAX_CORRECTION_MS = 5_000.0
 
 
 class QueueVerdict(NamedTuple):
@@ -112,6 +114,7 @@ class QueueModel:
         #: Calibration: per band, how much longer (ms) requests waited than the model predicted,
         #: smoothed over their completions; the model's raw predictions of requests in flight.
         self._bias_ms = [0.0] * N_BANDS
+        self._part_bias: dict[tuple[int, int], float] = {}
         self._predicted: dict[str, tuple[int, float]] = {}
         self.max_predicted = max_predicted
         self._drain = Rate(tau_ms)
@@ -121,6 +124,7 @@ class QueueModel:
         # Slow (30 s): a burst that arrived is in the depths already; what counts is what goes on arriving.
         self._band_arrivals = [Rate(30_000.0) for _ in range(N_BANDS)]
         self.min_shares = list(min_shares) if min_shares is not None else [0.0] * N_BANDS
+        self._part_arrivals: list[list[Rate]] = [[] for _ in range(N_BANDS)]  # per band, per partition
         self._drained: int | None = None  # the last observation's drain total
         self._at: float | None = None  # ... and its time
         self.observations = 0
@@ -128,7 +132,8 @@ class QueueModel:
     # -- what the gateway tells it -------------------------------------------------------
 
     def observe(self, depths: list[int], arrived_total: int, drained_total: int, now_ms: float,
-                partitions: list[list[int]] | None = None, arrived: list[int] | None = None) -> None:
+                partitions: list[list[int]] | None = None, arrived: list[int] | None = None,
+                ends: list[list[int]] | None = None) -> None:
         """The dispatch topics' offsets: per band, end minus committed (and the same per band and
         partition, if known); over all bands, the sums of end and of committed offsets (running
         totals)."""
@@ -150,19 +155,29 @@ class QueueModel:
         if arrived is not None:
             for rate, total in zip(self._band_arrivals, arrived):
                 rate.observe(total, now_ms)
+        if ends is not None:
+            for b, band in enumerate(ends):
+                rates = self._part_arrivals[b]
+                if len(rates) != len(band):
+                    rates[:] = [Rate(self.tau_ms) for _ in band]
+                for rate, total in zip(rates, band):
+                    rate.observe(total, now_ms)
         self.observations += 1
 
     def admitted(self, rank: int, tenant: str | None = None, request_id: str | None = None,
                  now_ms: float | None = None) -> None:
         """A request was admitted to band ``rank``. With its id, the wait the model predicts for it
         is remembered, to calibrate the model by the wait its completion reports."""
-        if request_id is not None:
+        if request_id is not None and (now_ms is None or self.capacity.trusted(now_ms)):
+            # Only predictions made on recent evidence calibrate: a guess before the capacity was
+            # measured says nothing of the model.
             rate = self._rate_for(rank, self.capacity_per_s())
             if rate > 0:
                 predicted = self._predicted
                 if len(predicted) >= self.max_predicted:
                     del predicted[next(iter(predicted))]
-                predicted[request_id] = (rank, self._ahead(rank, now_ms, tenant) * 1000.0 / rate)
+                predicted[request_id] = (rank, self._partition(tenant),
+                                         self._ahead(rank, now_ms, tenant) * 1000.0 / rate)
         self._local[rank] += 1
         if tenant is not None and self.partition_of is not None:
             local = self._local_parts[rank]
@@ -176,9 +191,15 @@ class QueueModel:
         then ran ``service_ms``."""
         predicted = self._predicted.pop(request_id, None) if request_id is not None else None
         if predicted is not None and predicted[0] == rank:
-            # What the model does not see (hand-offs, the workers' read-ahead): learnt, per band.
-            bias = self._bias_ms
-            bias[rank] += (wait_ms - predicted[1] - bias[rank]) * CALIBRATION_WEIGHT
+            # What the model does not see (hand-offs, the workers' read-ahead, turns it does not
+            # know of): learnt per band and per partition, whose errors differ.
+            _, partition, quoted = predicted
+            error = min(max(wait_ms - quoted, -MAX_CORRECTION_MS), MAX_CORRECTION_MS)
+            self._bias_ms[rank] += (error - self._bias_ms[rank]) * CALIBRATION_WEIGHT
+            if partition is not None:
+                key = (rank, partition)
+                bias = self._part_bias.get(key, 0.0)
+                self._part_bias[key] = bias + (error - bias) * CALIBRATION_WEIGHT
         last, self._waited_at[rank] = self._waited_at[rank], now_ms
         weight = 1.0 if last is None else 1.0 - math.exp(-max(0.0, now_ms - last) / self.tau_ms)
         self._wait_ms[rank] += (max(0.0, wait_ms) - self._wait_ms[rank]) * weight
@@ -245,7 +266,15 @@ class QueueModel:
             if unplaced:  # admitted without a known partition: spread over the band
                 queues = [q + unplaced / len(queues) for q in queues]
             bands.append(queues)
-        ahead = ahead_of(bands, rank, partition, served)
+        ahead, higher, k = ahead_of(bands, rank, partition, served)
+        if partition is not None and k > 1.0:
+            # A backlog in its partition: it drains at the partition's fair share of the band's
+            # drain while the other partitions' arrivals take their turns.
+            rate = self._rate_for(rank, self.capacity_per_s())
+            arrivals = self._part_arrivals[rank]
+            share = fair_share(rate, [r.per_s for i, r in enumerate(arrivals) if i != partition])
+            if 0 < share < rate:
+                ahead = max(ahead, higher + (k - 0.5) * rate / share)
         self._memo = (key, ahead)
         return ahead
 
@@ -264,11 +293,15 @@ class QueueModel:
     def eta_ms(self, rank: int, now_ms: float | None = None, tenant: str | None = None) -> float:
         """How long a request admitted to band ``rank`` now waits before a worker starts it
         (inf: unknown, nothing measured yet)."""
-        return self._calibrated(rank, _eta_ms(self._ahead(rank, now_ms, tenant),
-                                              self._rate_for(rank, self.capacity_per_s())))
+        return self._calibrated(rank, tenant, _eta_ms(self._ahead(rank, now_ms, tenant),
+                                                      self._rate_for(rank, self.capacity_per_s())))
 
-    def _calibrated(self, rank: int, eta: float) -> float:
-        return eta if eta == float("inf") else max(0.0, eta + self._bias_ms[rank])
+    def _calibrated(self, rank: int, tenant: str | None, eta: float) -> float:
+        if eta == float("inf"):
+            return eta
+        partition = self._partition(tenant)
+        bias = self._bias_ms[rank] if partition is None else self._part_bias.get((rank, partition), 0.0)
+        return max(0.0, eta + bias)
 
     def eta_floor_ms(self, rank: int, now_ms: float | None = None, tenant: str | None = None) -> float:
         """The shortest wait the evidence allows: the wait at ``optimism`` times the fastest
@@ -302,7 +335,7 @@ class QueueModel:
         order."""
         depth = self.depth
         ahead = self._ahead(rank, now_ms, tenant)
-        eta = self._calibrated(rank, _eta_ms(ahead, self._rate_for(rank, self.capacity_per_s())))
+        eta = self._calibrated(rank, tenant, _eta_ms(ahead, self._rate_for(rank, self.capacity_per_s())))
         position = int(round(ahead)) + 1
         cap = self.caps[rank] if cap is None else cap
         if cap and depth[rank] >= cap:
