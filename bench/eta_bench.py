@@ -41,6 +41,7 @@ QUEUE_S, BURST_S, SECONDS, IDLE_S, DEADLINE_S = 1.0, 3.0, 24.0, 60.0, 20.0
 TENANTS = [f"eta-{i}" for i in range(8)]
 #: Waits under this are counted as this in the ratio: a client cannot act on a smaller difference.
 FLOOR_MS = 50
+QUEUED_MS = 250
 LOADS = ("steady", "burst_after_idle", "worker_killed", "other_band_flood")
 
 
@@ -132,6 +133,10 @@ def _summary(run: dict) -> dict:
     ratios = [max(r["eta_ms"], FLOOR_MS) / max(r["wait_ms"], FLOOR_MS) for r in both]
     # The p90 of the error in either direction: the ratio farther from 1 (over or under).
     spread = [max(x, 1 / x) for x in ratios]
+    # The requests that really queued (quoted or waited QUEUED_MS or more), where a floor cannot
+    # make two small numbers look equal.
+    queued = [max(r["eta_ms"], FLOOR_MS) / max(r["wait_ms"], FLOOR_MS) for r in both
+              if max(r["eta_ms"], r["wait_ms"]) >= QUEUED_MS]
     early = [r for r in rows if r["status"] == "EXPIRED" and "cannot be met" in r["reason"]]
     statuses: dict[str, int] = {}
     for r in rows:
@@ -139,6 +144,7 @@ def _summary(run: dict) -> dict:
     return {"measured": len(rows), "with_eta": len(both), "statuses": statuses,
             "ratio_p50": _quantile(ratios, 0.5), "ratio_p10": _quantile(ratios, 0.1), "ratio_p90": _quantile(ratios, 0.9),
             "error_factor_p90": _quantile(spread, 0.9),
+            "queued": len(queued), "queued_ratio_p50": _quantile(queued, 0.5), "queued_ratio_p90": _quantile(queued, 0.9),
             "wait_p50_ms": _quantile([r["wait_ms"] for r in both], 0.5),
             "eta_p50_ms": _quantile([r["eta_ms"] for r in both], 0.5),
             "expired_at_admission": len(early), "early_indexes": [r["i"] for r in early]}
@@ -159,7 +165,9 @@ def eta_accuracy(settings, args) -> dict:
                     wrong = sum(1 for i in summary["early_indexes"] if i < len(base) and base[i]["in_time"])
                 summary["wrongly_expired"] = wrong
                 summary.pop("early_indexes")
-                _log(f"  {load} round {r}: ratio p50 {summary['ratio_p50']} p90 {summary['ratio_p90']}, "
+                _log(f"  {load} round {r}: ratio p50 {summary['ratio_p50']} p90 {summary['ratio_p90']} "
+                     f"(of the {summary['queued']} that queued {QUEUED_MS} ms or more: p50 {summary['queued_ratio_p50']} "
+                     f"p90 {summary['queued_ratio_p90']}), "
                      f"statuses {summary['statuses']}, expired at admission {summary['expired_at_admission']} "
                      f"(wrongly {wrong})")
                 runs.append(summary)
@@ -170,14 +178,17 @@ def eta_accuracy(settings, args) -> dict:
 
             out["loads"][load] = {"ratio_p50": med("ratio_p50"), "ratio_p10": med("ratio_p10"),
                                   "ratio_p90": med("ratio_p90"), "error_factor_p90": med("error_factor_p90"),
+                                  "queued_ratio_p50": med("queued_ratio_p50"),
+                                  "queued_ratio_p90": med("queued_ratio_p90"),
                                   "wait_p50_ms": med("wait_p50_ms"), "eta_p50_ms": med("eta_p50_ms"),
                                   "wrongly_expired": sum(x["wrongly_expired"] for x in runs),
                                   "expired_at_admission": sum(x["expired_at_admission"] for x in runs),
                                   "runs": runs}
     out.update({"overrides": {}, "rounds": rounds, "worker": f"{INFLIGHT} slots x {LATENCY_MS} ms (simulated)",
                 "capacity_per_s": CAPACITY, "deadline_s": DEADLINE_S, "idle_s": IDLE_S, "queue_s": QUEUE_S, "burst_s": BURST_S,
-                "floor_ms": FLOOR_MS,
+                "floor_ms": FLOOR_MS, "queued_ms": QUEUED_MS,
                 "measured": "per request: predicted = the QUEUED answer's eta_ms, actual = started_at - admitted_at; "
                             f"ratio = max(predicted, {FLOOR_MS}) / max(actual, {FLOOR_MS}); error_factor = the ratio "
-                            "or its inverse, whichever is larger; medians over rounds of each round's quantiles"})
+                            "or its inverse, whichever is larger; queued_ratio_*: the same over requests quoted or waiting "
+                            f"{QUEUED_MS} ms or more; medians over rounds of each round's quantiles"})
     return out

@@ -74,3 +74,43 @@ def fair_share(capacity: float, others: Sequence[float]) -> float:
             return even
         left -= rate
     return left
+
+
+class Calibration:
+    """What the model does not see (hand-offs, the workers' read-ahead, turns it does not know
+    of), learnt from the waits answers report: per band and per partition, whose errors differ.
+
+    The wait predicted for each request (only on trusted evidence: a guess says nothing of the
+    model) is remembered until its answer tells the wait it got; each answer moves the
+    correction by ``weight`` of its error, capped at ``max_error_ms``."""
+
+    def __init__(self, *, bands: int, weight: float = 0.05, max_error_ms: float = 5_000.0,
+                 max_predicted: int = 50_000):
+        self.weight = weight
+        self.max_error_ms = max_error_ms
+        self.max_predicted = max_predicted
+        self._band = [0.0] * bands
+        self._partition: dict[tuple[int, int], float] = {}
+        self._predicted: dict[str, tuple[int, int | None, float]] = {}  # id → (band, partition, ms)
+
+    def predicted(self, request_id: str, rank: int, partition: int | None, wait_ms: float) -> None:
+        predicted = self._predicted
+        if len(predicted) >= self.max_predicted:
+            del predicted[next(iter(predicted))]  # the oldest: its answer is long overdue
+        predicted[request_id] = (rank, partition, wait_ms)
+
+    def answered(self, request_id: str, rank: int, wait_ms: float) -> None:
+        entry = self._predicted.pop(request_id, None)
+        if entry is None or entry[0] != rank:
+            return
+        _, partition, quoted = entry
+        error = min(max(wait_ms - quoted, -self.max_error_ms), self.max_error_ms)
+        self._band[rank] += (error - self._band[rank]) * self.weight
+        if partition is not None:
+            key = (rank, partition)
+            bias = self._partition.get(key, 0.0)
+            self._partition[key] = bias + (error - bias) * self.weight
+
+    def bias_ms(self, rank: int, partition: int | None = None) -> float:
+        """The correction to add to a prediction (the band's, where the partition is unknown)."""
+        return self._band[rank] if partition is None else self._partition.get((rank, partition), 0.0)

@@ -33,13 +33,9 @@ from typing import Callable, NamedTuple
 
 from pipeline.models import BANDS
 from pipeline.policy.capacity import Capacity
-from pipeline.policy.eta import ahead_of, fair_share
+from pipeline.policy.eta import Calibration, ahead_of, fair_share
 
 N_BANDS = len(BANDS)
-#: How much each completion moves a band's calibration (about the last 20 completions count).
-CALIBRATION_WEIGHT = 0.05
-#: The most one completion's error may count (ms): one stray wait must not swing every quote.
-MAX_CORRECTION_MS = 5_000.0
 
 
 class QueueVerdict(NamedTuple):
@@ -111,12 +107,7 @@ class QueueModel:
         self._parts: list[list[int]] = [[0] for _ in range(N_BANDS)]  # per band, per partition
         self._local_parts: list[dict[int, int]] = [{} for _ in range(N_BANDS)]
         self._memo: tuple | None = None  # (key, ahead) of the last _ahead
-        #: Calibration: per band, how much longer (ms) requests waited than the model predicted,
-        #: smoothed over their completions; the model's raw predictions of requests in flight.
-        self._bias_ms = [0.0] * N_BANDS
-        self._part_bias: dict[tuple[int, int], float] = {}
-        self._predicted: dict[str, tuple[int, float]] = {}
-        self.max_predicted = max_predicted
+        self.calibration = Calibration(bands=N_BANDS, max_predicted=max_predicted)
         self._drain = Rate(tau_ms)
         self._arrivals = Rate(tau_ms)
         #: Per band: what arrives (a lower band waits for the higher bands' new work too), and
@@ -173,11 +164,8 @@ class QueueModel:
             # measured says nothing of the model.
             rate = self._rate_for(rank, self.capacity_per_s())
             if rate > 0:
-                predicted = self._predicted
-                if len(predicted) >= self.max_predicted:
-                    del predicted[next(iter(predicted))]
-                predicted[request_id] = (rank, self._partition(tenant),
-                                         self._ahead(rank, now_ms, tenant) * 1000.0 / rate)
+                self.calibration.predicted(request_id, rank, self._partition(tenant),
+                                           self._ahead(rank, now_ms, tenant) * 1000.0 / rate)
         self._local[rank] += 1
         if tenant is not None and self.partition_of is not None:
             local = self._local_parts[rank]
@@ -189,17 +177,8 @@ class QueueModel:
                request_id: str | None = None) -> None:
         """A finished request of band ``rank`` waited ``wait_ms`` before a worker started it, and
         then ran ``service_ms``."""
-        predicted = self._predicted.pop(request_id, None) if request_id is not None else None
-        if predicted is not None and predicted[0] == rank:
-            # What the model does not see (hand-offs, the workers' read-ahead, turns it does not
-            # know of): learnt per band and per partition, whose errors differ.
-            _, partition, quoted = predicted
-            error = min(max(wait_ms - quoted, -MAX_CORRECTION_MS), MAX_CORRECTION_MS)
-            self._bias_ms[rank] += (error - self._bias_ms[rank]) * CALIBRATION_WEIGHT
-            if partition is not None:
-                key = (rank, partition)
-                bias = self._part_bias.get(key, 0.0)
-                self._part_bias[key] = bias + (error - bias) * CALIBRATION_WEIGHT
+        if request_id is not None:
+            self.calibration.answered(request_id, rank, wait_ms)
         last, self._waited_at[rank] = self._waited_at[rank], now_ms
         weight = 1.0 if last is None else 1.0 - math.exp(-max(0.0, now_ms - last) / self.tau_ms)
         self._wait_ms[rank] += (max(0.0, wait_ms) - self._wait_ms[rank]) * weight
@@ -243,6 +222,11 @@ class QueueModel:
         commit interval of drain) and miss what drained since (at the capacity); the requests
         the workers are running (capacity × service time: their slots) wait no more; what this
         gateway admitted since comes on top."""
+        return self._place(rank, now_ms, tenant)[0]
+
+    def _place(self, rank: int, now_ms: float | None, tenant: str | None) -> tuple[float, float]:
+        """(:meth:`_ahead`, the requests of the tenant's own partition before it: what FIFO
+        inside a partition makes a sure lower bound; the band's whole count if unknown)."""
         partition = self._partition(tenant)
         key = (rank, partition, now_ms)
         memo = self._memo
@@ -269,14 +253,19 @@ class QueueModel:
         ahead, higher, k = ahead_of(bands, rank, partition, served)
         if partition is not None and k > 1.0:
             # A backlog in its partition: it drains at the partition's fair share of the band's
-            # drain while the other partitions' arrivals take their turns.
+            # drain while the other partitions' arrivals take their turns: their rates, or what
+            # was admitted to them here since the last reading, if faster (a burst under way).
             rate = self._rate_for(rank, self.capacity_per_s())
-            arrivals = self._part_arrivals[rank]
-            share = fair_share(rate, [r.per_s for i, r in enumerate(arrivals) if i != partition])
+            since_s = max(0.25, ((now_ms or 0.0) - (self._at or 0.0)) / 1000.0)
+            local = self._local_parts[rank]
+            others = [max(r.per_s, local.get(i, 0) / since_s)
+                      for i, r in enumerate(self._part_arrivals[rank]) if i != partition]
+            share = fair_share(rate, others)
             if 0 < share < rate:
                 ahead = max(ahead, higher + (k - 0.5) * rate / share)
-        self._memo = (key, ahead)
-        return ahead
+        placed = (ahead, k - 1.0 if partition is not None else ahead)
+        self._memo = (key, placed)
+        return placed
 
     def queued_ms(self) -> float:
         """How long the work in every band takes to drain at the capacity (inf: nothing drains)."""
@@ -299,9 +288,7 @@ class QueueModel:
     def _calibrated(self, rank: int, tenant: str | None, eta: float) -> float:
         if eta == float("inf"):
             return eta
-        partition = self._partition(tenant)
-        bias = self._bias_ms[rank] if partition is None else self._part_bias.get((rank, partition), 0.0)
-        return max(0.0, eta + bias)
+        return max(0.0, eta + self.calibration.bias_ms(rank, self._partition(tenant)))
 
     def eta_floor_ms(self, rank: int, now_ms: float | None = None, tenant: str | None = None) -> float:
         """The shortest wait the evidence allows: the wait at ``optimism`` times the fastest
@@ -310,7 +297,13 @@ class QueueModel:
         if at is None or not self.capacity.trusted(at):
             return 0.0
         fastest = self.capacity.fastest(at) * self.optimism
-        return _eta_ms(self._ahead(rank, now_ms, tenant), self._rate_for(rank, fastest)) if fastest > 0 else 0.0
+        if fastest <= 0:
+            return 0.0
+        # Only what surely goes first: inside a partition the workers keep the order, so its own
+        # predecessors, even were the whole drain theirs.
+        _, surely = self._place(rank, now_ms, tenant)
+        known = self._partition(tenant) is not None
+        return _eta_ms(surely, fastest if known else self._rate_for(rank, fastest))
 
     def load(self, rank: int, now_ms: float | None = None) -> float:
         """How long work in band ``rank`` waits, over ``target_queue_ms`` (1.0: that long), at most 10."""
@@ -357,7 +350,7 @@ class QueueModel:
                 "bands": {p.value: {"depth": depth[p.rank], "cap": self.caps[p.rank],
                                     "eta_ms": _finite(self.eta_ms(p.rank)),
                                     "wait_ms": round(self._wait_ms[p.rank], 1),
-                                    "eta_bias_ms": round(self._bias_ms[p.rank], 1),
+                                    "eta_bias_ms": round(self.calibration.bias_ms(p.rank), 1),
                                     "load": round(self.load(p.rank), 3)} for p in BANDS}}
 
 

@@ -77,3 +77,14 @@ def test_the_model_is_calibrated_by_the_waits_completions_report():
     assert q.eta_ms(NORMAL, at) == pytest.approx(raw + 400 + 200 * 1000 / 100, rel=0.05)
     q.waited(NORMAL, 10_000, at, None, "unknown")  # not predicted here: no calibration from it
     assert q.snapshot()["bands"]["NORMAL"]["eta_bias_ms"] == pytest.approx(400, rel=0.01)
+
+
+def test_only_a_tenants_own_backlog_can_make_its_deadline_hopeless():
+    q = QueueModel([0] * 5, commit_lag_ms=0, partition_of=lambda t: 0 if t == "flooder" else 1)
+    for i in range(21):  # saturated: 100/s drained, 2,000 of the flooder's queued in partition 0
+        q.observe([0, 0, 2_000, 0, 0], 2_000 + 50 * i, 50 * i, T0 + i * 500,
+                  partitions=[[0, 0], [0, 0], [2_000, 0], [0, 0], [0, 0]])
+    at = T0 + 10_000
+    # The flooder's next waits for its own 2,000: at least 10 s even at twice the fastest drain.
+    assert q.eta_floor_ms(NORMAL, at, "flooder") == pytest.approx(2_000 / 200 * 1000, rel=0.05)
+    assert q.eta_floor_ms(NORMAL, at, "quiet") == 0  # nothing of its own ahead: never hopeless
