@@ -42,6 +42,8 @@ TENANTS = [f"eta-{i}" for i in range(8)]
 #: Waits under this are counted as this in the ratio: a client cannot act on a smaller difference.
 FLOOR_MS = 50
 QUEUED_MS = 250
+#: Every setting the scenario runs with that is not llmq's default (the rest are the defaults).
+OVERRIDES = {"worker.max_inflight": INFLIGHT, "worker.sim_latency_ms": LATENCY_MS}
 LOADS = ("steady", "burst_after_idle", "worker_killed", "other_band_flood")
 
 
@@ -184,7 +186,7 @@ def eta_accuracy(settings, args) -> dict:
                                   "wrongly_expired": sum(x["wrongly_expired"] for x in runs),
                                   "expired_at_admission": sum(x["expired_at_admission"] for x in runs),
                                   "runs": runs}
-    out.update({"overrides": {}, "rounds": rounds, "worker": f"{INFLIGHT} slots x {LATENCY_MS} ms (simulated)",
+    out.update({"overrides": OVERRIDES, "rounds": rounds, "worker": f"{INFLIGHT} slots x {LATENCY_MS} ms (simulated)",
                 "capacity_per_s": CAPACITY, "deadline_s": DEADLINE_S, "idle_s": IDLE_S, "queue_s": QUEUE_S, "burst_s": BURST_S,
                 "floor_ms": FLOOR_MS, "queued_ms": QUEUED_MS,
                 "measured": "per request: predicted = the QUEUED answer's eta_ms, actual = started_at - admitted_at; "
