@@ -148,7 +148,8 @@ def _scenarios() -> dict:
     for module, names in (("failover_bench", ("gateway_failover",)),
                           ("backend_bench", ("backend_utilization", "streaming_ttft")),
                           ("serve_bench", ("serve_overhead",)),
-                          ("eta_bench", ("eta_accuracy",))):
+                          ("eta_bench", ("eta_accuracy",)),
+                          ("cost_bench", ("cpu_per_request", "load_curve"))):
         try:
             mod = __import__(module)
         except ImportError as exc:
