@@ -71,7 +71,9 @@ def test_the_backend_streams_and_completes_from_the_simulator_with_its_usage():
 
 def _burst(paced: bool):
     async def go():
-        async with _sim(slots=4) as sim:
+        # 5 ms a token: the burst lasts about a second, several of pacing's 50-ms metric readings,
+        # so it learns the 4 slots whatever else the machine runs (at 2 ms it sometimes ended first).
+        async with _sim(slots=4, ms_per_token=5) as sim:
             pacing = PacingConfig(initial_limit=2) if paced else None
             backend = OpenAIBackend(sim.base_url, pacing=pacing, max_connections=64)
             try:
