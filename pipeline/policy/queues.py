@@ -107,6 +107,7 @@ class QueueModel:
         self._parts: list[list[int]] = [[0] for _ in range(N_BANDS)]  # per band, per partition
         self._local_parts: list[dict[int, int]] = [{} for _ in range(N_BANDS)]
         self._memo: tuple | None = None  # (key, ahead) of the last _ahead
+        self._queue_cache: list[list[float]] | None = None  # see _queues
         self.calibration = Calibration(bands=N_BANDS, max_predicted=max_predicted)
         self._drain = Rate(tau_ms)
         self._arrivals = Rate(tau_ms)
@@ -132,6 +133,7 @@ class QueueModel:
         self._parts = ([[max(0, d) for d in band] for band in partitions] if partitions is not None
                        else [[d] for d in depths])
         self._local_parts = [{} for _ in range(N_BANDS)]
+        self._queue_cache = None
         self._memo = None
         if self._drained is not None and self._at is not None and drained_total >= self._drained:
             backlog = min(sum(self._observed), sum(depths))
@@ -167,10 +169,16 @@ class QueueModel:
                 self.calibration.predicted(request_id, rank, self._partition(tenant),
                                            self._ahead(rank, now_ms, tenant) * 1000.0 / rate)
         self._local[rank] += 1
-        if tenant is not None and self.partition_of is not None:
+        p = self._partition(tenant)
+        if p is not None:
             local = self._local_parts[rank]
-            p = self.partition_of(tenant)
             local[p] = local.get(p, 0) + 1
+        band = self._queue_cache[rank] if self._queue_cache is not None else None
+        if band is not None:
+            if p is not None and p < len(band):
+                band[p] += 1.0
+            else:
+                self._queue_cache = None
         self._memo = None
 
     def waited(self, rank: int, wait_ms: float, now_ms: float, service_ms: float | None = None,
@@ -224,6 +232,25 @@ class QueueModel:
         gateway admitted since comes on top."""
         return self._place(rank, now_ms, tenant)[0]
 
+    def _queues(self) -> list[list[float]]:
+        """Per band and partition: the last reading's depths plus what was admitted here since
+        (built once a reading, then kept up by :meth:`admitted`)."""
+        queues = self._queue_cache
+        if queues is None:
+            queues = self._queue_cache = []
+            for b in range(N_BANDS):
+                band = [float(d) for d in self._parts[b]]
+                unplaced = self._local[b] - sum(self._local_parts[b].values())
+                for p, n in self._local_parts[b].items():
+                    if p < len(band):
+                        band[p] += n
+                    else:
+                        unplaced += n
+                if unplaced:  # admitted without a known partition: spread over the band
+                    band = [q + unplaced / len(band) for q in band]
+                queues.append(band)
+        return queues
+
     def _place(self, rank: int, now_ms: float | None, tenant: str | None) -> tuple[float, float]:
         """(:meth:`_ahead`, the requests of the tenant's own partition before it: what FIFO
         inside a partition makes a sure lower bound; the band's whole count if unknown)."""
@@ -237,20 +264,7 @@ class QueueModel:
             served += self.drain_rate() * self.commit_lag_ms / 2000.0
             if now_ms is not None and self._at is not None and now_ms > self._at:
                 served += self.capacity_per_s() * (now_ms - self._at) / 1000.0
-        bands = []
-        for b in range(rank + 1):
-            parts, local = self._parts[b], self._local_parts[b]
-            queues = [float(d) for d in parts]
-            unplaced = self._local[b] - sum(local.values())
-            for p, n in local.items():
-                if p < len(queues):
-                    queues[p] += n
-                else:
-                    unplaced += n
-            if unplaced:  # admitted without a known partition: spread over the band
-                queues = [q + unplaced / len(queues) for q in queues]
-            bands.append(queues)
-        ahead, higher, k = ahead_of(bands, rank, partition, served)
+        ahead, higher, k = ahead_of(self._queues(), rank, partition, served)
         if partition is not None and k > 1.0:
             # A backlog in its partition: it drains at the partition's fair share of the band's
             # drain while the other partitions' arrivals take their turns: their rates, or what
