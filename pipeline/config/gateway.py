@@ -151,6 +151,19 @@ class GatewaySettings:
     state_flush_ms: int = 1000
     #: How long outputs wait to be sent together (linger.ms of the gateway's producer).
     producer_linger_ms: int = 2
+    #: The longest the broker holds the gateway's fetch when its partitions have nothing new
+    #: (fetch.max.wait.ms). The consumer keeps one fetch in flight and leaves out of it the
+    #: partitions whose records it still holds, so this is also how long a busy band can wait
+    #: behind a fetch of idle ones: what a request's admission may wait on top. Faust
+    #: hard-codes 1500; llmq sets it through one shim (gateway/faust_compat.py). Shorter:
+    #: more empty fetches on an idle broker (1000 / this a second per gateway).
+    fetch_max_wait_ms: int = 10
+    #: How much a fetch waits for (fetch.min.bytes), up to fetch_max_wait_ms. 1 (aiokafka's and
+    #: Faust's): a fetch returns with the first record, so under a trickle of requests every
+    #: record or two costs a fetch, built and decoded in Python for every assigned partition.
+    #: More: one fetch gathers what arrives within fetch_max_wait_ms, for up to that much on an
+    #: admission (docs/performance.md).
+    fetch_min_bytes: int = 65_536
     #: How long the group waits for a gateway that stopped heartbeating (crashed, killed, its
     #: host gone) before its request partitions go to another gateway: most of a failover, which
     #: takes about a second more. Faust's default is 60 s. Heartbeats go every fifth of it, so a
@@ -244,6 +257,10 @@ class GatewaySettings:
                 raise ConfigError(f"gateway.{key}", f"must be >= 0, got {getattr(self, key)!r}")
         if not 0 <= self.web_port < 65536:
             raise ConfigError("gateway.web_port", f"must be a TCP port or 0 (off), got {self.web_port}")
+        if not 1 <= self.fetch_min_bytes <= 52_428_800:
+            raise ConfigError("gateway.fetch_min_bytes", f"must be from 1 to 52428800, got {self.fetch_min_bytes!r}")
+        if not 1 <= self.fetch_max_wait_ms <= 30_000:
+            raise ConfigError("gateway.fetch_max_wait_ms", f"must be from 1 to 30000, got {self.fetch_max_wait_ms!r}")
         if self.session_timeout_ms < 1_000:
             raise ConfigError("gateway.session_timeout_ms", f"must be >= 1000, got {self.session_timeout_ms!r}")
         if self.instance_id and (len(self.instance_id) > 249 or not self.instance_id.isprintable()):

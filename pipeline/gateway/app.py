@@ -33,6 +33,7 @@ from faust.transport.utils import DefaultSchedulingStrategy
 from pipeline.cancellations import CancellationView
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, LlmqError
+from pipeline.gateway import faust_compat
 from pipeline.gateway.checkpoint import Checkpoint
 from pipeline.gateway.completions import Completions
 from pipeline.gateway.depths import DispatchDepths, Reading
@@ -96,8 +97,10 @@ class Gateway:
         datadir = Path(datadir or Path(".llmq") / f"gateway-{app_id}")
         datadir.parent.mkdir(parents=True, exist_ok=True)
         self.request_ranks = {t.request_topic(p): p.rank for p in BANDS}
+        faust_compat.set_fetch_wait(g.fetch_max_wait_ms, g.fetch_min_bytes)
+        scheme = faust_compat.broker_scheme()
         self.app = faust.App(
-            app_id, broker=[f"kafka://{hp.strip()}" for hp in settings.kafka.bootstrap.split(",")],
+            app_id, broker=[f"{scheme}://{hp.strip()}" for hp in settings.kafka.bootstrap.split(",")],
             broker_credentials=_credentials(settings), store="memory://", autodiscover=False,
             processing_guarantee="at_least_once", topic_partitions=t.request_partitions,
             topic_replication_factor=t.replication_factor, table_standby_replicas=1,

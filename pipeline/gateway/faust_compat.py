@@ -1,0 +1,98 @@
+"""The one shim llmq keeps on faust-streaming: the consumer's fetch wait (and fetch minimum).
+
+Upstream: robinhood/faust#281, "Make fetch_max_wait_ms configurable" (open since January 2019).
+faust-streaming, the maintained fork, still builds its aiokafka consumer with
+``fetch_max_wait_ms=1500`` written into ``AIOKafkaConsumerThread._create_worker_consumer``,
+and no Faust setting reaches it.
+
+Why it matters here: aiokafka keeps one fetch in flight per broker, and leaves out of it every
+partition that still has records waiting in its buffer. A fetch sent while the busy bands'
+partitions were being handed over asks only for the idle ones (an empty BACKGROUND band, the
+response topic between answers), and the broker holds it until ``fetch_max_wait_ms`` runs out.
+The busy partitions are fetched again only after that, so with 1.5 s a request's admission
+waits about 1.5 s however light the load (docs/gateway.md, "How much one gateway takes").
+Faust also leaves ``fetch_min_bytes`` at aiokafka's 1: under a trickle of requests every record
+or two costs a whole fetch, encoded and decoded in Python for every assigned partition.
+
+What the shim does: a transport whose consumer thread builds the consumer exactly as Faust
+does (``super()``), then sets the wait and the minimum before the consumer starts, where aiokafka
+reads them into its fetcher. Nothing of Faust or aiokafka is replaced or patched; three private
+names are used (the method overridden, the two attributes set), and only on the versions below,
+where they were read. On any other version the gateway runs on
+Faust's stock transport (the 1.5 s wait) and says so once; ``tests/unit/gateway/
+test_faust_compat.py`` fails as soon as the installed versions differ, so that the shim is
+checked again (or dropped, if upstream made the wait a setting) when the pin moves.
+
+The transport is registered under the ``llmq`` URL scheme through Faust's documented
+``faust.transports`` entry point (pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib import metadata
+from typing import Any
+
+import aiokafka
+from faust.transport.drivers import aiokafka as faust_aiokafka
+
+log = logging.getLogger(__name__)
+
+UPSTREAM_ISSUE = "https://github.com/robinhood/faust/pull/281"
+#: The versions whose code the shim was written against (and tested with).
+WRITTEN_FOR = {"faust-streaming": "0.15.3", "aiokafka": "0.14.0"}
+#: The URL scheme of the shimmed transport (the entry point's name in pyproject.toml).
+SCHEME = "llmq"
+#: The wait Faust hard-codes, used when the shim is off.
+FAUST_WAIT_MS = 1500
+
+#: The fetch wait and fetch minimum the shimmed consumers get (ms, bytes): gateway.fetch_max_wait_ms
+#: and gateway.fetch_min_bytes, set by the gateway (set_fetch_wait) before its app creates a
+#: consumer. Process-wide, as a gateway is a process.
+_fetch_wait_ms = 10
+_fetch_min_bytes = 65_536
+
+
+def set_fetch_wait(ms: int, min_bytes: int = 65_536) -> None:
+    global _fetch_wait_ms, _fetch_min_bytes
+    _fetch_wait_ms, _fetch_min_bytes = int(ms), int(min_bytes)
+
+
+def installed_versions() -> dict[str, str]:
+    return {name: metadata.version(name) for name in WRITTEN_FOR}
+
+
+def applies() -> bool:
+    """Whether the installed Faust and aiokafka are the ones the shim was written for."""
+    return installed_versions() == WRITTEN_FOR
+
+
+def broker_scheme() -> str:
+    """The scheme for the gateway's broker URLs: the shimmed transport where it applies,
+    Faust's own (``kafka``) elsewhere, said once in the log."""
+    if applies():
+        return SCHEME
+    log.warning("faust fetch-wait shim off: written for %s, installed %s; the gateway's consumer "
+                "waits up to %d ms a fetch (Faust's hard-coded value, %s)",
+                WRITTEN_FOR, installed_versions(), FAUST_WAIT_MS, UPSTREAM_ISSUE)
+    return "kafka"
+
+
+class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+    def _create_worker_consumer(self, transport: Any) -> aiokafka.AIOKafkaConsumer:
+        consumer = super()._create_worker_consumer(transport)
+        # Read by AIOKafkaConsumer.start() into its Fetcher; the consumer has not started yet.
+        consumer._fetch_max_wait_ms = _fetch_wait_ms
+        consumer._fetch_min_bytes = _fetch_min_bytes
+        return consumer
+
+
+class Consumer(faust_aiokafka.Consumer):
+    def _new_consumer_thread(self) -> ConsumerThread:
+        return ConsumerThread(self, loop=self.loop, beacon=self.beacon)
+
+
+class Transport(faust_aiokafka.Transport):
+    """Faust's aiokafka transport, its consumer's fetch wait set by llmq (robinhood/faust#281)."""
+
+    Consumer = Consumer
