@@ -27,7 +27,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gateway_bench as gb  # noqa: E402
 import serve_bench as sb  # noqa: E402
 
-from pipeline.broker import LocalBroker, free_port  # noqa: E402
 from pipeline.config import Settings  # noqa: E402
 from pipeline.simulator.process import SimulatorProcess  # noqa: E402
 
@@ -199,21 +197,9 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="py-spy each llmq process during the first round at each rate (its CPU then counts too)")
     args = parser.parse_args(argv)
-    bootstrap = os.environ.get("LLMQ_BENCH_BOOTSTRAP")
-    broker = None
-    with tempfile.TemporaryDirectory(prefix="llmq-cost-bench-") as tmp:
-        if not bootstrap:
-            broker = LocalBroker(free_port(), Path(tmp) / "kafka", heap="1g", progress=_log)
-            broker.up()
-            bootstrap = broker.bootstrap
-        try:
-            settings = Settings.load(env={})
-            settings.kafka.bootstrap = bootstrap
-            result = _measure(settings, args.rates, seconds=args.seconds, rounds=args.rounds, stream=args.stream,
-                              profile_dir=args.profile)
-        finally:
-            if broker is not None:
-                broker.down()
+    with gb.standalone_settings("llmq-cost-bench-") as settings:
+        result = _measure(settings, args.rates, seconds=args.seconds, rounds=args.rounds, stream=args.stream,
+                          profile_dir=args.profile)
     print(json.dumps(result, indent=2))
     return 0
 

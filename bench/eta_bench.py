@@ -23,13 +23,12 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 from gateway_bench import (GatewayProcess, WorkerProcess, fresh, gateway_config, produce_paced, read_all,
                            warm_up)
 
-from pipeline.models import Priority, Request, Status
+from pipeline.models import Priority, Request
 from pipeline.serde import Codec
 
 INFLIGHT, LATENCY_MS = 8, 50

@@ -13,6 +13,7 @@ latency, not as fewer samples).
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import os
 import shutil
@@ -114,6 +115,28 @@ class GatewayProcess:
 
     def stop(self) -> None:
         _terminate(self.proc)
+
+
+@contextlib.contextmanager
+def standalone_settings(prefix: str):
+    """Settings on a broker for a scenario run on its own (``python bench/<scenario>.py``):
+    LLMQ_BENCH_BOOTSTRAP's, or a local broker started for the run and stopped after it."""
+    from pipeline.broker import LocalBroker, free_port
+
+    bootstrap = os.environ.get("LLMQ_BENCH_BOOTSTRAP")
+    broker = None
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        if not bootstrap:
+            broker = LocalBroker(free_port(), Path(tmp) / "kafka", heap="1g", progress=_log)
+            broker.up()
+            bootstrap = broker.bootstrap
+        try:
+            settings = Settings.load(env={})
+            settings.kafka.bootstrap = bootstrap
+            yield settings
+        finally:
+            if broker is not None:
+                broker.down()
 
 
 def _terminate(proc: subprocess.Popen) -> None:

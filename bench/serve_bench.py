@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gateway_bench as gb  # noqa: E402
 from machine import cpu_times, machine_load  # noqa: E402
 
-from pipeline.broker import LocalBroker, free_port  # noqa: E402
+from pipeline.broker import free_port  # noqa: E402
 from pipeline.config import Settings  # noqa: E402
 from pipeline.models import Request  # noqa: E402
 from pipeline.tenants.keys import hash_key  # noqa: E402
@@ -228,20 +228,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--rate", type=int, default=RATE)
     args = parser.parse_args(argv)
-    bootstrap = os.environ.get("LLMQ_BENCH_BOOTSTRAP")
-    broker = None
-    with tempfile.TemporaryDirectory(prefix="llmq-serve-bench-") as tmp:
-        if not bootstrap:
-            broker = LocalBroker(free_port(), Path(tmp) / "kafka", heap="1g", progress=gb._log)
-            broker.up()
-            bootstrap = broker.bootstrap
-        try:
-            settings = Settings.load(env={})
-            settings.kafka.bootstrap = bootstrap
-            result = serve_overhead(settings, args, rate=args.rate, seconds=args.seconds, rounds=args.rounds)
-        finally:
-            if broker is not None:
-                broker.down()
+    with gb.standalone_settings("llmq-serve-bench-") as settings:
+        result = serve_overhead(settings, args, rate=args.rate, seconds=args.seconds, rounds=args.rounds)
     print(json.dumps(result, indent=2))
     return 0
 
