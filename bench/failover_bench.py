@@ -354,11 +354,11 @@ def gateway_failover(settings: Settings, args) -> dict:
     admin = AdminClient(s.kafka.admin_config())
     # As each gateway will: the session asked for, within the broker's bounds.
     bounds = broker_session_bounds(admin) or KAFKA_DEFAULT_BOUNDS_MS
-    floor = bounds[0]
+    floor = bounds.low_ms
     asked = getattr(args, "session_timeout_ms", None) or s.gateway.session_timeout_ms
     session_ms = session_within(asked, bounds)
     if session_ms != asked:
-        _log(f"gateway_failover: the broker allows sessions of {bounds[0]} to {bounds[1]} ms; measuring with a "
+        _log(f"gateway_failover: the broker allows sessions of {bounds.low_ms} to {bounds.high_ms} ms; measuring with a "
              f"{session_ms}-ms session instead of {asked}")
     env = {"LLMQ_GATEWAY__SESSION_TIMEOUT_MS": str(session_ms), **extra_env}
     app_id = f"{s.topics.prefix}-gw"
@@ -622,9 +622,9 @@ class _Broker(LocalBroker):
 
     extra: dict[str, str] = {}
 
-    def _write_config(self, controller_port: int) -> None:
-        super()._write_config(controller_port)
-        with open(self._properties, "a") as f:
+    def write_config(self, controller_port: int) -> None:
+        super().write_config(controller_port)
+        with open(self.properties, "a") as f:
             f.writelines(f"{k}={v}\n" for k, v in self.extra.items())
 
 

@@ -1,6 +1,6 @@
 """`make fuzz`: a coverage-less mutation fuzzer over the worker's admission path.
 
-Feeds messages straight into ``Worker._handle`` (a real Worker with the default settings,
+Feeds messages straight into ``Worker.handle`` (a real Worker with the default settings,
 a fake producer that acknowledges at once, the zero-latency simulated backend; no broker)
 and checks, for every message, that the worker
 
@@ -141,7 +141,7 @@ class Target:
 
     def __init__(self, settings: Settings):
         self.worker = Worker(settings, SimulatedBackend(), worker_id="fuzz-worker")
-        self.producer = self.worker.producer = FakeProducer()
+        self.producer = self.worker.session.producer = FakeProducer()
         self.topic = settings.topics.request_topic(Priority.NORMAL)
         self.tp = (self.topic, 0)
         self.offset = 0
@@ -155,15 +155,15 @@ class Target:
         offset = self.offset
         self.offset += 1
         producer.sent.clear()
-        worker._handle(FakeMessage(self.topic, 0, offset, value, key, headers))
+        worker.handle(FakeMessage(self.topic, 0, offset, value, key, headers))
         sent = producer.sent
         if len(sent) != 1:
             raise InvariantError(f"{len(sent)} outcomes for one message")
-        position = worker.tracker.to_commit()
+        position = worker.checkpoint.tracker.to_commit()
         if position != [(self.tp, offset + 1)]:
             raise InvariantError(f"committable position {position}, expected {offset + 1}")
-        worker.tracker.mark_committed(position)
-        if worker.tracker.in_flight(self.tp) or worker._tasks:
+        worker.checkpoint.tracker.mark_committed(position)
+        if worker.checkpoint.tracker.in_flight(self.tp) or worker.running:
             raise InvariantError("work left in flight after a synchronous outcome")
         out = sent[0]
         if out.topic() == worker.dlq_topic:
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.load(env={})
     target = Target(settings)
     gen = Generator(rng)
-    print(f"fuzzing Worker._handle for {args.minutes:g} min, seed {seed}, limits {target.worker.codec.limits}",
+    print(f"fuzzing Worker.handle for {args.minutes:g} min, seed {seed}, limits {target.worker.codec.limits}",
           flush=True)
 
     outcomes: Counter[str] = Counter()

@@ -235,7 +235,7 @@ class LocalBroker:
         return self.data_dir / "broker.pid"
 
     @property
-    def _properties(self) -> Path:
+    def properties(self) -> Path:
         return self.data_dir / "server.properties"
 
     def pid(self) -> int | None:
@@ -332,7 +332,7 @@ class LocalBroker:
 
             ensure_tls(self.tls_dir)
             ensure_passwords(self.secrets_dir)
-        self._write_config(controller_port)
+        self.write_config(controller_port)
         classpath = f"{jars}/*"
         if not formatted:
             self._format(classpath)
@@ -342,7 +342,7 @@ class LocalBroker:
             "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
             f"-Dllmq.data.dir={self.data_dir}", *self.jvm_options,
-            "-cp", classpath, _MAIN_CLASS, str(self._properties),
+            "-cp", classpath, _MAIN_CLASS, str(self.properties),
         ]
         stdout = open(self.data_dir / "logs" / "stdout.log", "ab")
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -377,7 +377,9 @@ class LocalBroker:
         path.write_text(f"{port}\n")
         return port
 
-    def _write_config(self, controller_port: int) -> None:
+    def write_config(self, controller_port: int) -> None:
+        """This node's server.properties: one KRaft broker and controller, with the replication
+        settings a single broker needs."""
         data = self.data_dir / "data"
         props = {
             "process.roles": "broker,controller",
@@ -419,26 +421,26 @@ class LocalBroker:
             "log.segment.bytes": str(256 * 1024 * 1024),
             # A deleted topic's files go after a second, not a minute (Kafka's default): tests
             # and benchmarks create and delete hundreds of partitions, and the deferred unlinking
-            # kept a broker thread at 30-50 % of a core during whatever ran a minute later.
+            # kept a broker thread busy during whatever ran a minute later.
             "log.segment.delete.delay.ms": "1000",
             # The log cleaner (compacted topics: the gateway's changelogs, cancellations)
             # allocates its whole dedupe buffer at start, 128 MiB by default: on a 1-GiB heap
             # that was most of the old generation, so G1 ran a concurrent marking cycle every
-            # few seconds under load, each ~100 ms of a core and two short pauses.
+            # few seconds under load, each with two short pauses.
             "log.cleaner.dedupe.buffer.size": str(16 * 1024 * 1024),
-            # A fetch that waits is registered under every partition it names (the gateway's name
-            # 36, a worker's 60) and stays referenced from those lists after it completes until
-            # the purgatory purges them, by default once 1,000 completed ones have piled up. At a
-            # few hundred fetches a second those dead requests outlived each young collection:
-            # the broker copied and promoted megabytes of them every second or two, 10-30 ms a
-            # pause on two cores, and a quiet tenant next to a flooder waited through them. Purged
-            # every 10, the flooded rounds had one or two pauses instead of ten (BENCHMARKS.md).
+            # A fetch that waits is registered under every partition it names (a gateway's and a
+            # worker's name dozens) and stays referenced from those lists after it completes
+            # until the purgatory purges them, by default once 1,000 completed ones have piled
+            # up. At hundreds of fetches a second those dead requests outlived each young
+            # collection: the broker copied and promoted them every second or two, and a quiet
+            # tenant next to a flooder waited through the pauses. Purged every 10, the flooded
+            # rounds had far fewer pauses (BENCHMARKS.md).
             "fetch.purgatory.purge.interval.requests": "10",
             "producer.purgatory.purge.interval.requests": "10",
         }
         if self.secure or self.is_secure():
             props.update(self._secure_props(controller_port))
-        self._properties.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+        self.properties.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
         (self.data_dir / "log4j2.properties").write_text(_LOG4J.format(log_file=self.log_file))
 
     def _secure_props(self, controller_port: int) -> dict[str, str]:
@@ -482,7 +484,7 @@ class LocalBroker:
                 extra += ["--add-scram", f"{SCRAM_MECHANISM}=[name={role},password={password}]"]
         proc = subprocess.run(
             ["java", "-Xmx256m", f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
-             "-cp", classpath, _STORAGE_TOOL, "format", "-t", cluster_id, "-c", str(self._properties), *extra],
+             "-cp", classpath, _STORAGE_TOOL, "format", "-t", cluster_id, "-c", str(self.properties), *extra],
             capture_output=True, text=True)
         if proc.returncode != 0:
             # The command line carries SCRAM passwords: show the tool's output only.
@@ -492,7 +494,7 @@ class LocalBroker:
 
     def down(self, timeout: float = 30.0) -> bool:
         """Stop the broker (SIGTERM, then SIGKILL); return True when one was running."""
-        pids = set(self._stray_pids())
+        pids = set(self.stray_pids())
         pid = self.pid()
         if pid is not None:
             pids.add(pid)
@@ -514,7 +516,7 @@ class LocalBroker:
             raise BrokerError(f"broker processes {still} did not exit")
         return bool(pids)
 
-    def _stray_pids(self) -> list[int]:
+    def stray_pids(self) -> list[int]:
         """Java processes started from this data dir whose pid file was lost."""
         marker = f"-Dllmq.data.dir={self.data_dir}".encode()
         found = []

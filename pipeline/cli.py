@@ -35,7 +35,7 @@ quick start:
 _LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
-def _version() -> str:
+def version() -> str:
     from importlib import metadata
 
     try:
@@ -269,17 +269,17 @@ def cmd_lag_exporter(args) -> int:
     return run(_settings(args), args.groups, args.interval, args.metrics_port, args.metrics_addr)
 
 
-def _dlq_filter(args):
-    from pipeline.dlq import Filter
+def dlq_filter(args):
+    from pipeline.dlq_tools import Filter
 
     reasons = frozenset(r.strip() for given in (args.reason or []) for r in given.split(",") if r.strip())
     return Filter(reasons, args.since, args.until)
 
 
 def _dlq_list(settings: Settings, args) -> int:
-    from pipeline.dlq import list_letters
+    from pipeline.dlq_tools import list_letters
 
-    rows = list_letters(settings, _dlq_filter(args))
+    rows = list_letters(settings, dlq_filter(args))
     if args.json:
         for row in rows:
             _print_json(row)
@@ -298,7 +298,7 @@ def _dlq_list(settings: Settings, args) -> int:
 
 
 def _dlq_show(settings: Settings, args) -> int:
-    from pipeline.dlq import show_letter
+    from pipeline.dlq_tools import show_letter
 
     try:
         d = show_letter(settings, args.record, args.bytes)
@@ -331,7 +331,7 @@ def _dlq_show(settings: Settings, args) -> int:
 
 
 def _dlq_replay(settings: Settings, args) -> int:
-    from pipeline.dlq import replay
+    from pipeline.dlq_tools import replay
     from pipeline.progress import Progress
 
     bar: list[Progress] = []
@@ -344,7 +344,7 @@ def _dlq_replay(settings: Settings, args) -> int:
             bar[0].advance(done - bar[0].done)
 
     try:
-        report = replay(settings, _dlq_filter(args), dry_run=args.dry_run, batch_size=args.batch,
+        report = replay(settings, dlq_filter(args), dry_run=args.dry_run, batch_size=args.batch,
                         on_progress=on_progress)
     finally:
         if bar:
@@ -372,7 +372,7 @@ def _log_level(text: str) -> str:
 
 
 def _time(text: str) -> int:
-    from pipeline.dlq import parse_time
+    from pipeline.dlq_tools import parse_time
 
     try:
         return parse_time(text)
@@ -409,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmq", description="llmq: a Kafka pipeline that queues and schedules LLM inference requests.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"llmq {_version()}")
+    parser.add_argument("--version", action="version", version=f"llmq {version()}")
     _global_options(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

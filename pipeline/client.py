@@ -18,7 +18,7 @@
   nobody waits for are dropped, and duplicates (possible after a worker crash) are ignored after
   the first. ``QUEUED`` events never resolve it: ``queued(request_id)`` returns the latest one.
 * ``stream`` submits a request with ``stream`` set and yields its chunks in order, each once
-  (:mod:`pipeline.streams`), then holds the terminal response.
+  (:mod:`pipeline.chunks`), then holds the terminal response.
 * A tenant whose registry record requires signed requests gets them signed: pass its secret as
   ``signing_secret`` (bytes, or a mapping tenant → bytes).
 
@@ -47,6 +47,7 @@ from typing import Callable, Iterable, Mapping
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
+from pipeline.chunks import ChunkOrder
 from pipeline.config import Settings
 from pipeline.errors import AuthenticationError, DecodeError, KafkaOperationError, LlmqError, RequestTimeoutError
 from pipeline.models import Chunk, Request, Response, Status
@@ -91,41 +92,7 @@ class Submitted:
         return None if self.response is None else self.response.eta_ms
 
 
-class ChunkOrder:
-    """A request's chunks in seq order, each once: one past a gap waits for it; nothing after the
-    last. The same rules as pipeline/streams.py's ChunkOrder (the worker side's), kept here until
-    that module is committed; then this class goes and the client imports that one."""
-
-    def __init__(self) -> None:
-        self.next_seq = 0
-        self.finished = False
-        self._ahead: dict[int, Chunk] = {}
-
-    def add(self, chunk: Chunk) -> list[Chunk]:
-        if self.finished or chunk.seq < self.next_seq or chunk.seq in self._ahead:
-            return []  # a copy (a redelivered or repeated chunk), or after the end
-        self._ahead[chunk.seq] = chunk
-        out = []
-        while self.next_seq in self._ahead:
-            c = self._ahead.pop(self.next_seq)
-            out.append(c)
-            self.next_seq += 1
-            if c.finish_reason is not None:
-                self.finished = True
-                self._ahead.clear()
-                break
-        return out
-
-    def rest(self) -> list[Chunk]:
-        """What came past a gap that never filled, in order (the stream is over)."""
-        out = [self._ahead[s] for s in sorted(self._ahead)]
-        self._ahead.clear()
-        if out:
-            self.next_seq = out[-1].seq + 1
-        return out
-
-
-class _Correlator:
+class Correlator:
     """Matches responses and chunks to whoever waits for them; no Kafka in here.
 
     A waiter's future resolves with the first *terminal* response to its request id.
@@ -224,7 +191,7 @@ class _Correlator:
             sink(error)
 
 
-class _Stream:
+class StreamState:
     """What a stream has seen: chunks in order (each once), its terminal response. No I/O.
 
     ``feed`` takes what the listener delivered and returns the chunks to hand out now. The
@@ -286,7 +253,7 @@ class _Stream:
                             worker_id=resp.worker_id)]
 
 
-class _LoopWaker:
+class LoopWaker:
     """Hands items from the listener thread to one asyncio loop: one wake-up per batch, however
     many streams it feeds (each call_soon_threadsafe writes to the loop's wake-up pipe)."""
 
@@ -323,7 +290,7 @@ def _secret_for(signing_secret, tenant: str) -> bytes | None:
     return signing_secret.get(tenant)
 
 
-class _Engine:
+class ClientEngine:
     def __init__(self, settings: Settings, codec: Codec | None = None, listen: bool = True, *,
                  reply_partitions: Iterable[int] | None = None, reply_to: str | None = None,
                  signing_secret: bytes | Mapping[str, bytes] | None = None, producer_config: dict | None = None):
@@ -341,7 +308,7 @@ class _Engine:
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._poll_producer, name="llmq-client-producer", daemon=True)
         self._poller.start()
-        self.correlator = _Correlator()
+        self.correlator = Correlator()
         self._listener: threading.Thread | None = None
         self._listener_error: BaseException | None = None
         self._next = 0
@@ -365,6 +332,18 @@ class _Engine:
         self._next += 1
         return replace(request, reply_partition=parts[self._next % len(parts)],
                        reply_to=request.reply_to or self.reply_to)
+
+    def prepared(self, request: Request, track: bool, want_word: bool) -> tuple[Request, Future | None]:
+        """``request`` as a submit writes it, its answer awaited (``track``), and the future of
+        the gateway's first word on it (where it is queued, or why it was refused) when it asks
+        for one (``notify_queued``) and the caller waits for it."""
+        request = self.addressed(request)
+        word = None
+        if track:
+            self.expect(request.request_id)
+            if request.notify_queued and want_word:
+                word = self.correlator.first_word(request.request_id)
+        return request, word
 
     def submit_future(self, request: Request) -> Future:
         topic = self.settings.topics.request_topic(request.priority)
@@ -454,7 +433,7 @@ class _Engine:
                     now = time.monotonic()
                     if now - last_message > _LISTENER_STALL_S and now - last_check > _LISTENER_STALL_S:
                         last_check = now
-                        self._unstick(consumer)
+                        self.unstick(consumer)
                     continue
                 last_message = time.monotonic()
                 for msg in [first, *consumer.consume(499, 0)]:
@@ -485,7 +464,7 @@ class _Engine:
         except DecodeError as exc:
             log.warning("undecodable reply at %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc)
 
-    def _unstick(self, consumer: Consumer) -> None:
+    def unstick(self, consumer: Consumer) -> None:
         """An assign()-ed librdkafka consumer can stop fetching after a broker restart
         (librdkafka#5153). If responses are waiting past our position and nothing came for a
         while, assign the partitions again at the positions reached."""
@@ -575,7 +554,7 @@ class ReplyStream:
 
     def __init__(self, client: LlmqClient, request: Request, timeout: float):
         self._client = client
-        self._state = _Stream(request)
+        self._state = StreamState(request)
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: list[Chunk] = []
         self._deadline = time.monotonic() + timeout
@@ -634,7 +613,7 @@ class AsyncReplyStream:
 
     def __init__(self, client: AsyncLlmqClient, request: Request, timeout: float):
         self._client = client
-        self._state = _Stream(request)
+        self._state = StreamState(request)
         # A deque and one waiter future, not an asyncio.Queue under wait_for: no task per chunk.
         self._items: deque = deque()
         self._waiter: asyncio.Future | None = None
@@ -736,8 +715,9 @@ class LlmqClient:
     def __init__(self, settings: Settings | None = None, *, codec: Codec | None = None, listen: bool = True,
                  reply_partitions: Iterable[int] | None = None, reply_to: str | None = None,
                  signing_secret: bytes | Mapping[str, bytes] | None = None, producer_config: dict | None = None):
-        self._engine = _Engine(settings or Settings.load(), codec, listen, reply_partitions=reply_partitions,
-                               reply_to=reply_to, signing_secret=signing_secret, producer_config=producer_config)
+        #: The Kafka side (producer, listener, correlation), shared in design with AsyncLlmqClient.
+        self.engine = ClientEngine(settings or Settings.load(), codec, listen, reply_partitions=reply_partitions,
+                                   reply_to=reply_to, signing_secret=signing_secret, producer_config=producer_config)
 
     @classmethod
     def from_settings(cls, path: str | None = None, **kwargs) -> "LlmqClient":
@@ -745,7 +725,7 @@ class LlmqClient:
 
     @property
     def reply_partitions(self) -> list[int]:
-        return list(self._engine.reply_partitions)
+        return list(self.engine.reply_partitions)
 
     def submit(self, request: Request, timeout: float = 30.0, track: bool = True,
                wait_queued: float = _QUEUED_WAIT_S) -> Submitted:
@@ -756,14 +736,9 @@ class LlmqClient:
         With ``track`` (default) its response is kept for :meth:`result`; pass
         ``track=False`` for fire-and-forget submits so nothing is held for them.
         """
-        request = self._engine.addressed(request)
-        word = None
-        if track:
-            self._engine.expect(request.request_id)
-            if request.notify_queued and wait_queued > 0:
-                word = self._engine.correlator.first_word(request.request_id)
+        request, word = self.engine.prepared(request, track, wait_queued > 0)
         started = time.monotonic()
-        fut = self._engine.submit_future(request)
+        fut = self.engine.submit_future(request)
         try:
             sub = fut.result(timeout)
         except TimeoutError:
@@ -777,16 +752,16 @@ class LlmqClient:
 
     def submit_nowait(self, request: Request, track: bool = True) -> Future:
         """Produce without waiting; the future resolves to :class:`Submitted` on acknowledgement."""
-        request = self._engine.addressed(request)
+        request = self.engine.addressed(request)
         if track:
-            self._engine.expect(request.request_id)
-        return self._engine.submit_future(request)
+            self.engine.expect(request.request_id)
+        return self.engine.submit_future(request)
 
     def stream(self, request: Request, timeout: float = 60.0) -> ReplyStream:
         """Submit ``request`` streamed; iterate the result for its chunks (see :class:`ReplyStream`)."""
-        request = self._engine.addressed(replace(request, stream=True))
+        request = self.engine.addressed(replace(request, stream=True))
         stream = ReplyStream(self, request, timeout)
-        self._engine.correlator.attach(request.request_id, stream._items.put)
+        self.engine.correlator.attach(request.request_id, stream._items.put)
         try:
             self.submit(request, timeout=timeout, wait_queued=0)
         except BaseException:
@@ -796,7 +771,7 @@ class LlmqClient:
 
     def cancel(self, request_id: str, reason: str = "cancelled by the client", timeout: float = 30.0) -> None:
         """Ask workers to answer ``request_id`` CANCELLED (best effort: a finished request stays finished)."""
-        self._engine.cancel(request_id, reason).result(timeout)
+        self.engine.cancel(request_id, reason).result(timeout)
 
     def response_future(self, request_id: str) -> Future:
         """A future resolved with the terminal response to ``request_id`` (for callbacks, many at once).
@@ -804,7 +779,7 @@ class LlmqClient:
         ``QUEUED`` events never resolve it (see :meth:`queued`). Register it before
         submitting; call :meth:`result` or :meth:`forget` when done.
         """
-        return self._engine.expect(request_id)
+        return self.engine.expect(request_id)
 
     def queued(self, request_id: str) -> Response | None:
         """The latest ``QUEUED`` event (``queue_position``, ``eta_ms``) of a tracked request.
@@ -813,21 +788,21 @@ class LlmqClient:
         ``notify_queued``), and again once the terminal response has arrived or the
         request is forgotten. Poll it while :meth:`result` waits in another thread.
         """
-        return self._engine.correlator.queued(request_id)
+        return self.engine.correlator.queued(request_id)
 
     def forget(self, request_id: str) -> None:
         """Stop holding the response to ``request_id``."""
-        self._engine.forget(request_id)
+        self.engine.forget(request_id)
 
     def result(self, request_id: str, timeout: float = 60.0) -> Response:
         """Wait for the terminal response to ``request_id`` (``QUEUED`` events are not one)."""
-        fut = self._engine.expect(request_id)
+        fut = self.engine.expect(request_id)
         try:
             return fut.result(timeout)
         except TimeoutError:
             raise RequestTimeoutError(request_id, timeout) from None
         finally:
-            self._engine.forget(request_id)
+            self.engine.forget(request_id)
 
     def submit_and_wait(self, request: Request, timeout: float = 60.0) -> Response:
         started = time.monotonic()
@@ -835,7 +810,7 @@ class LlmqClient:
         return self.result(request.request_id, max(0.0, timeout - (time.monotonic() - started)))
 
     def close(self) -> None:
-        self._engine.close()
+        self.engine.close()
 
     def __enter__(self) -> "LlmqClient":
         return self
@@ -850,36 +825,31 @@ class AsyncLlmqClient:
     def __init__(self, settings: Settings | None = None, *, codec: Codec | None = None,
                  reply_partitions: Iterable[int] | None = None, reply_to: str | None = None,
                  signing_secret: bytes | Mapping[str, bytes] | None = None, producer_config: dict | None = None):
-        self._engine = _Engine(settings or Settings.load(), codec, listen=True, reply_partitions=reply_partitions,
-                               reply_to=reply_to, signing_secret=signing_secret, producer_config=producer_config)
-        self._wakers: dict[asyncio.AbstractEventLoop, _LoopWaker] = {}
+        self.engine = ClientEngine(settings or Settings.load(), codec, listen=True, reply_partitions=reply_partitions,
+                                   reply_to=reply_to, signing_secret=signing_secret, producer_config=producer_config)
+        self._wakers: dict[asyncio.AbstractEventLoop, LoopWaker] = {}
 
     @property
     def reply_partitions(self) -> list[int]:
-        return list(self._engine.reply_partitions)
+        return list(self.engine.reply_partitions)
 
     @property
     def listening(self) -> bool:
         """Whether its reply listener runs (it stops only on a failure, which waiters are told)."""
-        listener = self._engine._listener
+        listener = self.engine._listener
         return listener is not None and listener.is_alive()
 
     def addressed(self, request: Request) -> Request:
         """``request`` as :meth:`submit` writes it (naming this client's reply partition)."""
-        return self._engine.addressed(request)
+        return self.engine.addressed(request)
 
     async def submit(self, request: Request, timeout: float = 30.0, track: bool = True,
                      wait_queued: float = _QUEUED_WAIT_S) -> Submitted:
         """See :meth:`LlmqClient.submit`."""
-        request = self._engine.addressed(request)
-        word = None
-        if track:
-            self._engine.expect(request.request_id)
-            if request.notify_queued and wait_queued > 0:
-                word = self._engine.correlator.first_word(request.request_id)
+        request, word = self.engine.prepared(request, track, wait_queued > 0)
         loop = asyncio.get_running_loop()
         started = loop.time()
-        fut = self._engine.submit_future(request)
+        fut = self.engine.submit_future(request)
         try:
             sub = await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
         except asyncio.TimeoutError:
@@ -897,14 +867,14 @@ class AsyncLlmqClient:
         return _StreamStart(self, request, timeout)
 
     async def open_stream(self, request: Request, timeout: float = 60.0) -> AsyncReplyStream:
-        request = self._engine.addressed(replace(request, stream=True))
+        request = self.engine.addressed(replace(request, stream=True))
         stream = AsyncReplyStream(self, request, timeout)
         loop = asyncio.get_running_loop()
         waker = self._wakers.get(loop)
         if waker is None:
-            waker = self._wakers[loop] = _LoopWaker(loop)
+            waker = self._wakers[loop] = LoopWaker(loop)
         push = stream.push
-        self._engine.correlator.attach(request.request_id, lambda item: waker.push(push, item))
+        self.engine.correlator.attach(request.request_id, lambda item: waker.push(push, item))
         try:
             await self.submit(request, timeout=timeout, wait_queued=0)
         except BaseException:
@@ -914,28 +884,28 @@ class AsyncLlmqClient:
 
     def queued(self, request_id: str) -> Response | None:
         """The latest ``QUEUED`` event of a tracked request (see :meth:`LlmqClient.queued`)."""
-        return self._engine.correlator.queued(request_id)
+        return self.engine.correlator.queued(request_id)
 
     def response_future(self, request_id: str) -> Future:
         """See :meth:`LlmqClient.response_future` (a concurrent future: wrap it to await it)."""
-        return self._engine.expect(request_id)
+        return self.engine.expect(request_id)
 
     def forget(self, request_id: str) -> None:
-        self._engine.forget(request_id)
+        self.engine.forget(request_id)
 
     async def cancel(self, request_id: str, reason: str = "cancelled by the client", timeout: float = 30.0) -> None:
-        fut = self._engine.cancel(request_id, reason)
+        fut = self.engine.cancel(request_id, reason)
         await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
 
     async def result(self, request_id: str, timeout: float = 60.0) -> Response:
         """Wait for the terminal response to ``request_id`` (``QUEUED`` events are not one)."""
-        fut = self._engine.expect(request_id)
+        fut = self.engine.expect(request_id)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
         except asyncio.TimeoutError:
             raise RequestTimeoutError(request_id, timeout) from None
         finally:
-            self._engine.forget(request_id)
+            self.engine.forget(request_id)
 
     async def submit_and_wait(self, request: Request, timeout: float = 60.0) -> Response:
         loop = asyncio.get_running_loop()
@@ -944,7 +914,7 @@ class AsyncLlmqClient:
         return await self.result(request.request_id, max(0.0, timeout - (loop.time() - started)))
 
     async def close(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._engine.close)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
 
     async def __aenter__(self) -> "AsyncLlmqClient":
         return self

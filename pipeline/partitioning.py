@@ -9,8 +9,16 @@ asks here rather than hashing on its own.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from aiokafka.partitioner import murmur2
 
 
+#: A record sent to no partition in particular: the producer's partitioner picks its key's.
+ANY_PARTITION = None
+
+
+# Cached: murmur2 runs in Python, and the same few tenants ask again for every record.
+@lru_cache(maxsize=65536)
 def tenant_partition(tenant_key: bytes, partitions: int) -> int:
     return (murmur2(tenant_key) & 0x7FFFFFFF) % partitions

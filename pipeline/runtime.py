@@ -14,9 +14,9 @@ def freeze_long_lived(service: str) -> int:
     """Take what exists once a service is ready out of the cyclic collector's reach.
 
     Modules, the app, its clients and the state restored at start live as long as the process,
-    yet every full collection traverses them again. On the gateway a full collection under
-    load took ~120 ms (measured: ~90,000 tracked objects on a busy 2-core machine), long
-    enough to show as the CRITICAL band's p99. Collected first, so no garbage is kept;
+    yet every full collection traverses them again. On a busy gateway such a collection was
+    long enough to show as the CRITICAL band's p99 (BENCHMARKS.md). Collected first, so no
+    garbage is kept;
     ``gc.freeze`` leaves reference counting untouched: a frozen object is still freed when
     nothing refers to it, only a cycle among frozen objects is never collected.
     """

@@ -22,6 +22,32 @@ def non_negative(key: str, value: float) -> None:
         raise ConfigError(key, f"must be >= 0, got {value!r}")
 
 
+def is_http_url(url: str) -> bool:
+    return url.startswith(("http://", "https://"))
+
+
+def parse_routes(spec: str) -> dict[str, list[str]]:
+    """``"big=http://a:8000/v1,http://b:8000/v1; small=http://c:8000/v1; *=http://d/v1"``: each
+    model (``*``: any other) and its servers' base URLs; ValueError says what is wrong."""
+    routes: dict[str, list[str]] = {}
+    for part in spec.split(";"):
+        if not part.strip():
+            continue
+        model, sep, urls = part.partition("=")
+        if not sep or not model.strip():
+            raise ValueError(f"route {part.strip()!r} is not MODEL=URL[,URL...]")
+        routes.setdefault(model.strip(), []).extend(u.strip() for u in urls.split(",") if u.strip())
+    if not routes:
+        raise ValueError("a routing table needs at least one route")
+    for model, urls in routes.items():
+        if not urls:
+            raise ValueError(f"route {model!r} has no server")
+        for url in urls:
+            if not is_http_url(url):
+                raise ValueError(f"route {model!r}: {url!r} is not an http:// or https:// URL")
+    return routes
+
+
 def check_band(key: str, band: str) -> None:
     if band not in Priority.__members__:
         raise ConfigError(key, f"unknown band {band!r} (known: {BAND_NAMES})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config.fields import non_negative, positive
+from pipeline.config.fields import is_http_url, non_negative, parse_routes, positive
 from pipeline.config.topics import DEFAULT_POOLS
 from pipeline.errors import ConfigError
 from pipeline.models import Priority
@@ -35,8 +35,8 @@ class WorkerSettings:
     #: polls a second, next to a time to first token measured in tens of ms).
     idle_poll_ms: int = 2
     #: How long responses wait to be sent together (linger.ms of the worker's producer; a
-    #: linger.ms in [kafka.properties] still wins). 1 ms takes ~4 ms off a response's way, at
-    #: the cost of a produce request per response or two when they are sparse.
+    #: linger.ms in [kafka.properties] still wins). Lower shortens a response's way, at the
+    #: cost of a produce request per response or two when they are sparse.
     producer_linger_ms: int = 5
     #: On SIGTERM, how long in-flight requests may still finish before they are handed back.
     shutdown_grace_s: float = 10.0
@@ -189,7 +189,7 @@ class WorkerSettings:
             raise ConfigError("worker.pool", f"unknown pool {self.pool!r} (known: {', '.join(DEFAULT_POOLS)})")
         if self.backend not in ("simulated", "openai"):
             raise ConfigError("worker.backend", f"unknown backend {self.backend!r} (known: simulated, openai)")
-        if self.backend == "openai" and not self.openai_base_url.startswith(("http://", "https://")):
+        if self.backend == "openai" and not is_http_url(self.openai_base_url):
             raise ConfigError("worker.openai_base_url", "must be an http:// or https:// URL")
         positive("worker.backend_timeout_s", self.backend_timeout_s)
         positive("worker.backend_max_attempts", self.backend_max_attempts)
@@ -201,10 +201,8 @@ class WorkerSettings:
 
     def _validate_backend(self) -> None:
         if self.openai_routes.strip():
-            from pipeline.worker.backends.routing import RoutingTable
-
             try:
-                RoutingTable.parse(self.openai_routes)
+                parse_routes(self.openai_routes)
             except ValueError as exc:
                 raise ConfigError("worker.openai_routes", f"{exc} (expected MODEL=URL[,URL];*=URL)") from None
         for key in ("backend_initial_inflight", "backend_metrics_interval_ms", "backend_metrics_stale_ms"):

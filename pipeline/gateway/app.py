@@ -13,9 +13,9 @@
   outstanding requests per band) and ``seen`` (the recent request ids).
 * The band queues are the dispatch topics; their depths come from the broker
   (:mod:`pipeline.gateway.depths`), the same for every gateway instance.
-* :class:`~pipeline.gateway.checkpoint.Checkpoint`: outputs leave only after the decision behind
-  them is in the changelogs, and a request is acknowledged only after its outputs are delivered
-  and its tenant's state is written; the agents' streams are ``noack()`` for that.
+* :class:`~pipeline.gateway.checkpoint.DecisionCheckpoint`: outputs leave only after the decision
+  behind them is in the changelogs, and a request is acknowledged only after its outputs are
+  delivered and its tenant's state is written; the agents' streams are ``noack()`` for that.
 
 Everything goes through Faust's public API: agents, tables, timers, tasks, web views, signals
 and documented settings.
@@ -34,15 +34,15 @@ from pipeline.cancellations import CancellationView
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, LlmqError
 from pipeline.gateway import faust_compat
-from pipeline.gateway.checkpoint import Checkpoint
+from pipeline.gateway.checkpoint import DecisionCheckpoint
 from pipeline.gateway.completions import Completions
 from pipeline.gateway.depths import DispatchDepths, Reading
 from pipeline.gateway.intake import Intake
 from pipeline.gateway.membership import broker_session_bounds, choose_session_ms, heartbeat_ms
 from pipeline.gateway.outputs import Outputs
 from pipeline.gateway.partitions import Ownership, partitioner
-from pipeline.gateway.positions import HoleReader, ReadPositions, committed_or_start
-from pipeline.gateway.seen import RecentIds
+from pipeline.gateway.positions import HoleReader, ReadPositions, RequestPartition, committed_or_start
+from pipeline.gateway.seen import SeenDecisions
 from pipeline.gateway.tenant_states import TenantStates
 from pipeline.models import BANDS, Priority, now_ms
 from pipeline.observability.metrics import GatewayMetrics
@@ -125,7 +125,7 @@ class Gateway:
         self.positions = ReadPositions(committed_or_start(settings, app_id))
         self.holes = HoleReader(settings)
         self.tenants = TenantStates(self.tenants_table)
-        self.seen = RecentIds(self.seen_table, self.ownership, g.dedupe_horizon_ms)
+        self.seen = SeenDecisions(self.seen_table, self.ownership, g.dedupe_horizon_ms)
         caps = g.band_ints("queue_caps")
         self.queues = QueueModel([caps.get(p.value, 0) for p in BANDS], default_rate_per_s=g.default_drain_rate,
                                  target_queue_ms=g.target_queue_ms,
@@ -149,8 +149,9 @@ class Gateway:
         self._stopping = False
         self.outputs = Outputs(settings.kafka.producer_config(**{
             "client.id": f"{app_id}-out", "linger.ms": g.producer_linger_ms}), self._refused)
-        self.checkpoint = Checkpoint(self.app.producer, self.tenants, self.seen, self.outputs,
-                                     state_every_s=g.state_flush_ms / 1000.0, every_s=g.decision_flush_ms / 1000.0)
+        self.checkpoint = DecisionCheckpoint(self.app.producer, self.tenants, self.seen, self.outputs,
+                                             state_every_s=g.state_flush_ms / 1000.0,
+                                             every_s=g.decision_flush_ms / 1000.0)
         common = dict(codec=self.codec, admission=self.admission, tenants=self.tenants, seen=self.seen,
                       checkpoint=self.checkpoint, metrics=self.metrics)
         self.intake = Intake(wire=settings.serde.wire_format, topics=t, cancelled=self._cancelled,
@@ -172,11 +173,12 @@ class Gateway:
             async def admit(stream):
                 async for event in stream.noack().events():
                     msg = event.message
-                    hole = gateway.positions.check((msg.topic, msg.partition), msg.offset)
+                    tp = RequestPartition(msg.topic, msg.partition)
+                    hole = gateway.positions.check(tp, msg.offset)
                     skipped = ()
                     if hole is not None:  # a stale record after a rebalance (positions.py)
                         skipped = await asyncio.get_running_loop().run_in_executor(
-                            None, gateway.holes.read, msg.topic, msg.partition, *hole)
+                            None, gateway.holes.read, tp, hole)
                     gateway._maybe_reload()
                     gateway.intake.handle(event, before=skipped)
 
@@ -199,7 +201,7 @@ class Gateway:
             request_topics = set(gateway.request_ranks)
             gateway.ownership.assigned({tp.partition for tp in assigned if tp.topic in request_topics})
             gateway._reload = True
-            mine = [(tp.topic, tp.partition) for tp in assigned if tp.topic in request_topics]
+            mine = [RequestPartition(tp.topic, tp.partition) for tp in assigned if tp.topic in request_topics]
             # In the loop, not an executor: no record of the new generation may be handled before this.
             gateway.positions.assigned(mine)
 

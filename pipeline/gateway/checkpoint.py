@@ -24,16 +24,19 @@ import asyncio
 import logging
 import time
 
-from pipeline.gateway.outputs import Done, Outputs
-from pipeline.gateway.seen import RecentIds
+from pipeline.gateway.outputs import Done, Output, Outputs
+from pipeline.gateway.seen import SeenDecisions
 from pipeline.gateway.tenant_states import TenantStates
 from pipeline.models import now_ms
 
 log = logging.getLogger(__name__)
 
 
-class Checkpoint:
-    def __init__(self, producer, tenants: TenantStates, seen: RecentIds, outputs: Outputs, *,
+class DecisionCheckpoint:
+    """An output leaves only after the decision behind it is durable; a request is acknowledged
+    once its outputs are delivered and its tenant's state is written."""
+
+    def __init__(self, producer, tenants: TenantStates, seen: SeenDecisions, outputs: Outputs, *,
                  state_every_s: float = 1.0, every_s: float = 0.0):
         self.producer = producer  # Faust's (the changelogs')
         self.tenants = tenants
@@ -42,15 +45,16 @@ class Checkpoint:
         self.state_every_s = state_every_s
         self.every_s = every_s
         self._dones: list[Done] = []  # decided since the last round
-        self._outputs: list[tuple] = []  # their outputs, sent once the round has written the decisions
+        # Their outputs, each request's with its countdown, sent once the round has written the decisions.
+        self._outputs: list[tuple[Done, list[Output]]] = []
         self._unwritten: list[Done] = []  # sent, their tenant state not written yet
         self._state_at = time.monotonic()
         self._wake = asyncio.Event()
         self.rounds = 0
 
-    def after_write(self, event, outputs: list) -> None:
-        """Send ``outputs`` (``(topic, value, key, headers[, partition])``) once ``event``'s
-        decision is written, and acknowledge it once they are delivered and its state is written."""
+    def after_write(self, event, outputs: list[Output]) -> None:
+        """Send ``outputs`` once ``event``'s decision is written, and acknowledge it once they are
+        delivered and its state is written."""
         done = Done(event, len(outputs))
         if outputs:
             self._outputs.append((done, outputs))
@@ -95,7 +99,7 @@ class Checkpoint:
         send = self.outputs.send
         for done, outs in outputs:
             for output in outs:
-                send(output[0], output[1], output[2], done, output[3], *output[4:])
+                send(output, done)
         for done in written:
             done.one()
         self.rounds += 1

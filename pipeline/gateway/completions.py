@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 
 from pipeline.errors import DecodeError
-from pipeline.gateway.checkpoint import Checkpoint
-from pipeline.gateway.seen import RecentIds
+from pipeline.gateway.checkpoint import DecisionCheckpoint
+from pipeline.gateway.seen import SeenDecisions
 from pipeline.gateway.tenant_states import TenantStates
 from pipeline.models import Status, now_ms
 from pipeline.observability.metrics import GatewayMetrics
@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 
 
 class Completions:
-    def __init__(self, *, codec, admission: Admission, tenants: TenantStates, seen: RecentIds, checkpoint: Checkpoint,
-                 metrics: GatewayMetrics, partitions: int, receipts: str = ""):
+    def __init__(self, *, codec, admission: Admission, tenants: TenantStates, seen: SeenDecisions,
+                 checkpoint: DecisionCheckpoint, metrics: GatewayMetrics, partitions: int, receipts: str = ""):
         self.codec = codec
         self.admission = admission
         self.tenants = tenants

@@ -67,7 +67,7 @@ class DispatchDepths:
                 self.deliver(self.read())
                 self._warned = False
             except (KafkaException, OSError) as exc:
-                if not self._warned:  # once per outage, not every half second
+                if not self._warned:  # once per outage, not at every reading
                     log.warning("cannot read the dispatch topics' depths (%s); queue caps and ETAs use the last "
                                 "reading until it works again", exc)
                     self._warned = True

@@ -1,10 +1,10 @@
 """One request record in: decoded, recognised if seen before, decided, its outputs queued.
 
 The decision changes the tenant's state and the ids seen in memory at once (the next request
-sees it), its outputs go out, and the :class:`~pipeline.gateway.checkpoint.Checkpoint` writes
-the decision and the state behind it; the tenants' records say through which offset of each
-source they hold the effects (:meth:`pipeline.policy.state.TenantState.holds`). So after a crash
-a request is either
+sees it), its outputs go out, and the :class:`~pipeline.gateway.checkpoint.DecisionCheckpoint`
+writes the decision and the state behind it; the tenants' records say through which offset of
+each source they hold the effects (:meth:`pipeline.policy.state.TenantState.holds`). So after a
+crash a request is either
 
 * redelivered with no decision recorded: it is decided again (see the checkpoint for when that
   can differ from an answer that had gone out);
@@ -25,8 +25,9 @@ from typing import Callable, Iterable
 
 from pipeline.dlq import dead_letter_headers
 from pipeline.errors import DecodeError, EncodeError
-from pipeline.gateway.checkpoint import Checkpoint
-from pipeline.gateway.seen import RecentIds, Seen
+from pipeline.gateway.checkpoint import DecisionCheckpoint
+from pipeline.gateway.outputs import Output
+from pipeline.gateway.seen import Seen, SeenDecisions
 from pipeline.gateway.tenant_states import TenantStates
 from pipeline.models import BANDS, Priority, Request, Response, Status, now_ms
 from pipeline.observability.metrics import GatewayMetrics, reason_code
@@ -56,9 +57,10 @@ def arrival_ms(timestamp_s: float | None, now: int) -> int:
 
 
 class Intake:
-    def __init__(self, *, codec, wire: str, admission: Admission, tenants: TenantStates, seen: RecentIds,
-                 checkpoint: Checkpoint, topics, metrics: GatewayMetrics, cancelled=lambda request_id: False,
-                 authorize: Callable[..., Authorization] | None = None, shadow: Shadow | None = None):
+    def __init__(self, *, codec, wire: str, admission: Admission, tenants: TenantStates, seen: SeenDecisions,
+                 checkpoint: DecisionCheckpoint, topics, metrics: GatewayMetrics,
+                 cancelled=lambda request_id: False, authorize: Callable[..., Authorization] | None = None,
+                 shadow: Shadow | None = None):
         self.codec = codec
         self.wire = wire
         self.admission = admission
@@ -81,9 +83,9 @@ class Intake:
     def handle(self, event, before: Iterable = ()) -> None:
         """Decide ``event``'s record, after ``before`` (records of its partition Faust skipped,
         see positions.py): all their answers and decisions are written as the event's."""
-        outputs: list = []
+        outputs: list[Output] = []
         for msg in (*before, event.message):
-            mine: list = []
+            mine: list[Output] = []
             try:
                 self._handle(msg, mine)
             except Exception as exc:  # noqa: BLE001 (a bug must neither stop the gateway nor lose the request)
@@ -92,7 +94,7 @@ class Intake:
             outputs += mine
         self.checkpoint.after_write(event, outputs)
 
-    def _handle(self, msg, outputs: list) -> None:
+    def _handle(self, msg, outputs: list[Output]) -> None:
         try:
             req = self.codec.decode_request(msg.value)
         except DecodeError as exc:
@@ -169,7 +171,8 @@ class Intake:
         if shadow.action is not real.action:
             self.metrics.shadow_disagreements.labels(_DECIDED[real.action], decided).inc()
 
-    def _refuse(self, req: Request, source: str, partition: int, now: int, reason: str, outputs: list) -> None:
+    def _refuse(self, req: Request, source: str, partition: int, now: int, reason: str,
+                outputs: list[Output]) -> None:
         """Refused by the registry (unknown, disabled, unsigned, a model not allowed): answered
         REJECTED with the reason, remembered like any other answer, charged nothing."""
         self.seen.add(req.request_id, partition, Seen(source, req.tenant_id, now, status=Status.REJECTED.value,
@@ -178,7 +181,7 @@ class Intake:
         self.metrics.rejections.labels(req.priority.value, reason_code(reason)).inc()
         outputs.append(self._answer(Response.for_request(req, Status.REJECTED, reason=reason, finished_at=now), req))
 
-    def _again(self, req: Request, seen: Seen, redelivered: bool, outputs: list) -> None:
+    def _again(self, req: Request, seen: Seen, redelivered: bool, outputs: list[Output]) -> None:
         """A request whose id was decided before: the same outcome again, or nothing."""
         m = self.metrics
         if seen.status:  # answered by the gateway: that answer again
@@ -195,15 +198,15 @@ class Intake:
         self._dispatch(req, seen.at_ms, band, seen.model or req.model, seen.degraded_from or None, outputs)
 
     def _dispatch(self, req: Request, admitted_at: int, band: Priority, model: str, degraded_from: str | None,
-                  outputs: list) -> None:
+                  outputs: list[Output]) -> None:
         req.admitted_at = admitted_at
         req.effective_priority = band
         if degraded_from is not None:
             req.model, req.degraded_from = model, degraded_from
         topic = self.dispatch[band]
-        outputs.append((topic, self.codec.encode_request(req, self.wire, topic), req.tenant_id.encode(), None))
+        outputs.append(Output(topic, self.codec.encode_request(req, self.wire, topic), req.tenant_id.encode()))
 
-    def _answer(self, response: Response, req: Request) -> tuple:
+    def _answer(self, response: Response, req: Request) -> Output:
         """The answer to ``req``, to the partition of the responses its client reads when it named
         one (a partition the topic does not have: the tenant's, as for every other answer)."""
         try:
@@ -213,15 +216,15 @@ class Intake:
             response.reason = f"{(response.reason or '')[:200]} ({exc})"[:500]
             value = self.codec.encode_response(response, self.wire, self.responses)
         partition = req.reply_partition
-        if partition is not None and 0 <= partition < self.response_partitions:
-            return self.responses, value, response.tenant_id.encode(), None, partition
-        return self.responses, value, response.tenant_id.encode(), None
+        if partition is not None and not 0 <= partition < self.response_partitions:
+            partition = None
+        return Output(self.responses, value, response.tenant_id.encode(), partition=partition)
 
-    def _dead_letter(self, msg, reason: str, detail: str) -> tuple:
+    def _dead_letter(self, msg, reason: str, detail: str) -> Output:
         self.metrics.outcome("UNKNOWN", "dead_lettered")
         self.metrics.dead_letters.labels(reason).inc()
         log.warning("dead-lettering %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, detail)
         headers = dead_letter_headers(msg.topic, msg.partition, msg.offset, reason, detail, "gateway",
                                       list(msg.headers.items()) if isinstance(msg.headers, dict)
                                       else list(msg.headers or ()))
-        return self.dlq, msg.value, msg.key, headers
+        return Output(self.dlq, msg.value, msg.key, headers)

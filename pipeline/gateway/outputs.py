@@ -1,7 +1,8 @@
 """What the gateway publishes (dispatches, answers, dead letters), and when a request is done.
 
-Outputs go through librdkafka (confluent-kafka's ``Producer``): a produce costs microseconds
-there, where aiokafka's producer costs the event loop a good part of a millisecond per message.
+Outputs go through librdkafka (confluent-kafka's ``Producer``): a produce only queues the record
+for librdkafka's own threads, where aiokafka's producer batches and encodes on the event loop,
+the one the agents decide requests on.
 The gateway's agents do not let Faust acknowledge a request when they move on (their streams are
 ``noack()``); a request is acknowledged (``event.ack()``) only when
 
@@ -20,11 +21,23 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from confluent_kafka import KafkaException, Producer
 
 log = logging.getLogger(__name__)
+
+
+class Output(NamedTuple):
+    """One record a decision publishes: a dispatch, an answer or a dead letter."""
+
+    topic: str
+    value: bytes
+    key: bytes | None
+    headers: list[tuple[str, bytes]] | None = None
+    #: None: the producer's partitioner chooses by the key (the tenant), as for every record the
+    #: gateway writes but an answer to a client that reads one partition of the responses.
+    partition: int | None = None
 
 
 class Done:
@@ -62,10 +75,8 @@ class Outputs:
         self.loop = loop
         self._thread.start()
 
-    def send(self, topic: str, value: bytes, key: bytes | None, done: Done, headers=None,
-             partition: int | None = None) -> None:
-        """``partition`` None: by the key (the tenant), as every record the gateway writes but a
-        request's own answer to a client that reads one partition."""
+    def send(self, output: Output, done: Done) -> None:
+        """Produce ``output``; ``done`` counts it delivered when the broker acknowledges it."""
         def delivered(err, msg) -> None:  # on the delivery thread, inside poll()
             if err is None:
                 self._delivered.append(done)
@@ -74,17 +85,18 @@ class Outputs:
 
         while True:
             try:
-                if partition is None:
-                    self.producer.produce(topic, value, key, headers=headers, on_delivery=delivered)
-                else:
-                    self.producer.produce(topic, value, key, partition=partition, headers=headers,
+                if output.partition is None:
+                    self.producer.produce(output.topic, output.value, output.key, headers=output.headers,
                                           on_delivery=delivered)
+                else:
+                    self.producer.produce(output.topic, output.value, output.key, partition=output.partition,
+                                          headers=output.headers, on_delivery=delivered)
                 return
             except BufferError:
                 # librdkafka's queue is full: the delivery thread frees room within a poll.
                 self.producer.poll(0.01)
             except KafkaException as exc:
-                self._refused(f"{topic}: {exc.args[0].str()}")
+                self._refused(f"{output.topic}: {exc.args[0].str()}")
                 return
 
     def _refused(self, what: str) -> None:

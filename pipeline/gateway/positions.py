@@ -6,7 +6,7 @@ had, what is left of a batch fetched before it (faust-streaming/faust#221, the s
 #216): a record *past* the committed offset comes first. Faust then counts the offsets in between
 as a gap (acknowledged, never delivered), and drops the refetched records below the stale one's
 offset, since it has "read" past them, so its next commit moves past requests nobody decided.
-Seen here: three gateways, one SIGKILLed, 18-69 requests of one partition never answered.
+Seen here with three gateways, one SIGKILLed: requests of one partition were never answered.
 
 Seeking back does not help: Faust's drain loop runs ahead of the agent, and every record it
 delivers after the seek resets its read offset past the hole again. So the guard reads the hole
@@ -17,21 +17,33 @@ are read with a plain librdkafka consumer (:class:`HoleReader`, no group) and de
 before the record that jumped, as part of its event. Records below it were decided before and are
 answered again by the intake, as any redelivery is. What remains of the upstream bug: Faust has
 counted the hole acknowledged already, so a gateway killed between the jump and the write of the
-hole's decisions (milliseconds) would skip them still. The completions agent is not guarded: its
-topics are written in transactions, and a record it misses costs a quota slot until the sweep,
-not an answer.
+hole's decisions (at the next checkpoint round) would skip them still. The completions agent is
+not guarded: its topics are written in transactions, and a record it misses costs a quota slot
+until the sweep, not an answer.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 log = logging.getLogger(__name__)
 
-#: (topic, partition)
-TP = tuple[str, int]
+
+class RequestPartition(NamedTuple):
+    """One partition of a request topic."""
+
+    topic: str
+    partition: int
+
+
+class Hole(NamedTuple):
+    """The offsets Faust jumped past in one partition: ``first`` (where the group left off) up to
+    ``end``, the record that came first, not included."""
+
+    first: int
+    end: int
 
 
 @dataclass(frozen=True)
@@ -50,13 +62,13 @@ class Record:
 class ReadPositions:
     """Per request partition: the offset the first record after an assignment must have."""
 
-    def __init__(self, start_offsets: Callable[[list[TP]], dict[TP, int]]):
+    def __init__(self, start_offsets: Callable[[list[RequestPartition]], dict[RequestPartition, int]]):
         #: Where the group left each partition (its committed offset, else the log start).
         self.start_offsets = start_offsets
-        self._next: dict[TP, int] = {}  # armed partitions only: the offset expected first
+        self._next: dict[RequestPartition, int] = {}  # armed partitions only: the offset expected first
         self.holes = 0  # holes found (a stale batch after a rebalance), for the log and the tests
 
-    def assigned(self, partitions: Iterable[TP]) -> None:
+    def assigned(self, partitions: Iterable[RequestPartition]) -> None:
         tps = list(partitions)
         try:
             starts = self.start_offsets(tps)
@@ -66,8 +78,8 @@ class ReadPositions:
             starts = {}
         self._next = {tp: off for tp, off in starts.items() if off is not None and off >= 0}
 
-    def check(self, tp: TP, offset: int) -> tuple[int, int] | None:
-        """None: handle the record. ``(lo, hi)``: first read and decide offsets ``lo``..``hi - 1``."""
+    def check(self, tp: RequestPartition, offset: int) -> Hole | None:
+        """None: handle the record. A :class:`Hole`: first read and decide the offsets in it."""
         expected = self._next.get(tp)
         if expected is None or offset < expected:
             return None  # unguarded, or below the commit: already decided, the intake answers it again
@@ -75,23 +87,25 @@ class ReadPositions:
         if offset == expected:
             return None  # where the group left off: in order from here
         self.holes += 1
+        topic, partition = tp
         log.info("%s[%d]: record %d came before %d, where the group left off (faust-streaming#221): "
-                 "reading %d records in between first", tp[0], tp[1], offset, expected, offset - expected)
-        return expected, offset
+                 "reading %d records in between first", topic, partition, offset, expected, offset - expected)
+        return Hole(expected, offset)
 
 
 class HoleReader:
-    """Reads offsets ``[lo, hi)`` of one partition with librdkafka, outside the group."""
+    """Reads the records of a :class:`Hole` with librdkafka, outside the group."""
 
     def __init__(self, settings, timeout_s: float = 30.0):
         self.settings = settings
         self.timeout_s = timeout_s
 
-    def read(self, topic: str, partition: int, lo: int, hi: int) -> list[Record]:
+    def read(self, tp: RequestPartition, hole: Hole) -> list[Record]:
         import time
 
         from confluent_kafka import Consumer, KafkaError, TopicPartition
 
+        topic, partition, lo, hi = tp.topic, tp.partition, hole.first, hole.end
         consumer = Consumer(self.settings.kafka.consumer_config(
             "llmq-gateway-holes", **{"enable.auto.commit": False, "enable.partition.eof": True}))
         out: list[Record] = []
@@ -116,24 +130,24 @@ class HoleReader:
             consumer.close()
 
 
-def committed_or_start(settings, group: str) -> Callable[[list[TP]], dict[TP, int]]:
+def committed_or_start(settings, group: str) -> Callable[[list[RequestPartition]], dict[RequestPartition, int]]:
     """Committed offsets of ``group`` (the log start where it has none), read with librdkafka."""
     from confluent_kafka import Consumer, TopicPartition
 
     consumer = None  # made at the first assignment: it never joins the group, only reads its offsets
 
-    def read(tps: list[TP]) -> dict[TP, int]:
+    def read(tps: list[RequestPartition]) -> dict[RequestPartition, int]:
         nonlocal consumer
         if not tps:
             return {}
         if consumer is None:
             consumer = Consumer(settings.kafka.consumer_config(group, **{"enable.auto.commit": False}))
-        out: dict[TP, int] = {}
+        out: dict[RequestPartition, int] = {}
         for tp in consumer.committed([TopicPartition(t, p) for t, p in tps], timeout=10):
             offset = tp.offset
             if offset < 0:
                 offset = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=10)[0]
-            out[(tp.topic, tp.partition)] = offset
+            out[RequestPartition(tp.topic, tp.partition)] = offset
         return out
 
     return read

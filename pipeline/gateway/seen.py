@@ -35,7 +35,10 @@ class Seen(NamedTuple):
     arrived_ms: int = 0  # the buckets' clock at the decision (to charge them again the same way)
 
 
-class RecentIds:
+class SeenDecisions:
+    """The decision on each request id seen within the horizon (a :class:`Seen`), in memory and
+    in the table."""
+
     def __init__(self, table, ownership: Ownership, horizon_ms: int):
         self.table = table
         self.ownership = ownership
@@ -100,15 +103,18 @@ class RecentIds:
             if partition is not None and self.ownership.owns(partition):
                 owned.append((flushed, key))
             for entry in entries or ():
-                if isinstance(entry, list) and len(entry) == 1:
-                    finished.add(entry[0])
+                if not isinstance(entry, list) or not entry:
+                    continue  # a record of another shape: not ours to read
+                request_id, *fields = entry  # [id, *Seen], or [id] once its request finished
+                if not fields:
+                    finished.add(request_id)
                     continue
                 try:
-                    seen = Seen(*entry[1:])
-                except (TypeError, IndexError):
+                    seen = Seen(*fields)
+                except TypeError:
                     continue  # a record of another shape: not ours to read
                 if seen.at_ms >= horizon:
-                    restored.append((seen.at_ms, entry[0], seen))
+                    restored.append((seen.at_ms, request_id, seen))
         self._written.extend(sorted(owned))
         for at, request_id, seen in sorted(restored, key=lambda r: r[0]):
             if request_id not in self._ids:

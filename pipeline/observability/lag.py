@@ -139,12 +139,12 @@ class LagReader:
             groups = self._describe(names)
             committed = self._committed(names)
             topics, brokers = self._metadata()
-            self._add_uncommitted(committed, groups, topics, self._pipeline_topics() | {self.settings.topics.receipts})
+            self.add_uncommitted(committed, groups, topics, self._pipeline_topics() | {self.settings.topics.receipts})
             exported = {t for (_, t, _) in committed} | (self._pipeline_topics() & topics.keys())
             # Only partitions the metadata knows: offsets a group once committed on a topic since
             # deleted must not fail every refresh (they read as an empty log).
             tps = {(t, p) for t in exported for p in topics.get(t, ())}
-            end = self._end_offsets(tps)
+            end = self.end_offsets(tps)
             oldest = self._list_offsets(tps, OffsetSpec.earliest())
         except KafkaException as exc:
             err = exc.args[0]
@@ -203,7 +203,7 @@ class LagReader:
         return out
 
     @staticmethod
-    def _add_uncommitted(committed: dict, groups: dict[str, GroupInfo], topics: dict[str, list[int]],
+    def add_uncommitted(committed: dict, groups: dict[str, GroupInfo], topics: dict[str, list[int]],
                          work_topics: set[str]) -> None:
         """Partitions of a group's topics it never committed: all their data is lag.
 
@@ -221,7 +221,7 @@ class LagReader:
                 for p in topics.get(t, ()):
                     committed.setdefault((g, t, p), None)
 
-    def _end_offsets(self, tps: set[tuple[str, int]], attempts: int = 3) -> dict[tuple[str, int], int]:
+    def end_offsets(self, tps: set[tuple[str, int]], attempts: int = 3) -> dict[tuple[str, int], int]:
         return self._list_offsets(tps, OffsetSpec.latest(), attempts)
 
     def _list_offsets(self, tps: set[tuple[str, int]], spec, attempts: int = 3) -> dict[tuple[str, int], int]:

@@ -265,13 +265,13 @@ class WorkerMetrics:
         self.tenant_wait.labels(self.tenants.label(tenant)).observe(seconds)
 
     def waited_many(self, taken: list, started_ms: int) -> None:
-        """:meth:`waited` for the request of each ``(msg, request, ...)`` of ``taken``, all
-        started at ``started_ms``."""
+        """:meth:`waited` for the request of each of ``taken`` (anything with a ``request``: the
+        worker's Taken), all started at ``started_ms``."""
         series, tenant_label = self._band_series, self.tenants.label
         tenant_children, tenant_wait = self.tenant_wait.children, self.tenant_wait.labels
         buckets = WAIT_BUCKETS
         for item in taken:
-            request = item[1]
+            request = item.request
             priority = request.priority._value_
             band = series.get(priority)
             if band is None:
@@ -289,11 +289,11 @@ class WorkerMetrics:
             child.sum += seconds
 
     def completed_many(self, done: list, seconds: float = 0.0) -> None:
-        """Each ``(tp, offset, request, completion)`` of ``done`` COMPLETED, its backend
+        """Each of ``done`` (the worker's Answered: ``request``, ``completion``) COMPLETED, its backend
         call having taken ``seconds``: the outcome, backend time and tokens."""
         series, duration, model_label = self._band_series, self.duration, self.models.label
         for item in done:
-            request, c = item[2], item[3]
+            request, c = item.request, item.completion
             priority = request.priority._value_
             band = series.get(priority)
             if band is None:

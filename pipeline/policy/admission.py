@@ -36,6 +36,7 @@ from pipeline.policy.priority import PriorityPolicy, effective_priority
 from pipeline.policy.queues import QueueModel
 from pipeline.policy.ratelimit import RateLimit
 from pipeline.policy.state import TenantState
+from pipeline.policy.tokens import estimate_tokens
 from pipeline.policy.validation import validate_request
 
 _UNKNOWN = float("inf")
@@ -88,11 +89,6 @@ class RateLimits:
             if registered is not None:
                 return list(registered)
         return self.default
-
-
-def estimate_prompt_tokens(prompt: str) -> int:
-    """≈4 characters per token (English BPE); the same estimate the workers report."""
-    return max(1, (len(prompt) + 3) // 4)
 
 
 class Admission:
@@ -162,7 +158,7 @@ class Admission:
 
         model, degraded_from = req.model, None
         d = self.degrade
-        prompt_tokens = estimate_prompt_tokens(req.prompt)
+        prompt_tokens = estimate_tokens(req.prompt)
         if (d.downgrade and req.allow_degrade and load >= d.load and model in d.downgrade
                 and prompt_tokens <= d.simple_prompt_tokens and req.max_tokens <= d.simple_max_tokens):
             model, degraded_from = d.downgrade[model], model

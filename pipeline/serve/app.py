@@ -36,7 +36,7 @@ from pipeline.serve.auth import Authenticator, Caller
 from pipeline.serve.errors import ApiError, bad_request, for_response
 from pipeline.serve.results import ResultStore
 from pipeline.serve.shapes import CHAT, COMPLETION, Parsed, models_list, parse_body, parse_priority, render
-from pipeline.serve.streaming import stream_answer
+from pipeline.serve.sse import stream_answer
 
 log = logging.getLogger("pipeline.serve")
 

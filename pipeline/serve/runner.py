@@ -76,7 +76,7 @@ async def _drain(server: Server, site: web.TCPSite, grace_s: float) -> None:
                         grace_s)
     if not server.stopped.done():
         server.stopped.set_result(None)
-    from pipeline.serve.streaming import Stopped
+    from pipeline.serve.sse import Stopped
 
     for stream in list(server.streams):
         stream.abort(Stopped())

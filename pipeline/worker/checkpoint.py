@@ -26,6 +26,7 @@ from pipeline.config import WorkerSettings
 from pipeline.errors import KafkaOperationError
 from pipeline.observability.metrics import WorkerMetrics
 from pipeline.worker.offsets import OffsetTracker, decode_done
+from pipeline.worker.records import Outcome, rd_partition
 from pipeline.worker.state import Session, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,6 @@ log = logging.getLogger(__name__)
 _ABANDONED_PRODUCERS: list = []
 MAX_ABANDONED_PRODUCERS = 3
 
-#: (topic, value, key, headers, partition): one message to publish; partition -1 lets the
-#: producer's partitioner choose (by key).
-Outcome = tuple
-ANY_PARTITION = -1
 
 
 class CallHung(Exception):
@@ -68,7 +65,7 @@ def bounded_call(fn, timeout_s: float):
     return value
 
 
-class Checkpoint:
+class OffsetCheckpoint:
     def __init__(self, cfg: WorkerSettings, session: Session, stats: WorkerStats, metrics: WorkerMetrics,
                  publish: Callable[..., None]):
         """``publish(topic, value, key, headers, None, partition)``: the careful produce (a full
@@ -81,7 +78,7 @@ class Checkpoint:
         self.exactly_once = cfg.delivery == "exactly-once"
         self.tracker = OffsetTracker()
         #: Exactly-once: per partition, offset → the outcome that waits for its transaction.
-        self.ready: dict[tuple, dict[int, Outcome]] = {}
+        self.ready: dict[tuple, dict[int, tuple[Outcome, ...]]] = {}
         #: At-least-once: offsets the previous owner answered past its commit position, per partition.
         self.done_before: dict[tuple, set[int]] = {}
         self.last_commit = time.monotonic()
@@ -137,7 +134,7 @@ class Checkpoint:
         part = self.ready.get(tp)
         if part is None:
             part = self.ready[tp] = {}
-        part[offset] = outcome if receipt is None else [outcome, receipt]
+        part[offset] = (outcome,) if receipt is None else (outcome, receipt)
         self.tracker.finished(tp, offset)
 
     # -- commits ----------------------------------------------------------------------------
@@ -192,13 +189,12 @@ class Checkpoint:
                 if not ready:
                     continue
                 for off in sorted(o for o in ready if o < position):
-                    held = ready.pop(off)
-                    for topic, value, key, headers, partition in (held if type(held) is list else (held,)):
+                    for topic, value, key, headers, partition in ready.pop(off):
                         try:
                             if headers is None:
-                                produce(topic, value, key, partition=partition)
+                                produce(topic, value, key, partition=rd_partition(partition))
                             else:
-                                produce(topic, value, key, partition=partition, headers=headers)
+                                produce(topic, value, key, partition=rd_partition(partition), headers=headers)
                         except (BufferError, KafkaException):  # queue full, or too large: the careful path
                             self._publish(topic, value, key, headers, None, partition)
                     produced += 1

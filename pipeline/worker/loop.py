@@ -7,15 +7,10 @@ partitions paused when the worker is full — so a long LLM call never makes the
 evict the worker for missing ``max.poll.interval.ms``.
 
 Each turn: consume, take (queue by band), dispatch (start what the scheduler picks, a chunk
-at a time), pause or resume partitions, serve delivery reports, commit when due. The parts:
-
-* scheduler.py — the band queues, which request starts next, preemption;
-* processor.py — a chunk through decode, checks, the backend and the answers; running calls;
-* responder.py — publishing each request's one outcome (response or dead letter);
-* checkpoint.py — contiguous offsets, commits, exactly-once transactions;
-* flow.py — pausing and resuming partitions, max in flight;
-* dedupe.py — request ids seen again: dropped while the first runs, else answered the same;
-* state.py — the counters and the session's clients the parts share.
+at a time), pause or resume partitions, serve delivery reports, commit when due. The parts
+are made once, in context.py; the processor (processor.py) runs a chunk of requests through
+decode, checks, the backend and their answers. ``take``, ``dispatch`` and ``handle`` are the
+loop's steps, public so that tools, benchmarks and tests drive a worker without a broker.
 """
 
 from __future__ import annotations
@@ -38,15 +33,10 @@ from pipeline.observability.metrics import TenantLabels, WorkerMetrics
 from pipeline.serde import Codec
 from pipeline.serde.factory import codec_for
 from pipeline.worker.backends.base import Backend
-from pipeline.worker.checkpoint import Checkpoint
-from pipeline.worker.dedupe import RecentRequests
-from pipeline.worker.flow import Flow
+from pipeline.worker.context import WorkerContext
 from pipeline.worker.membership import apply_group_session
 from pipeline.worker.processor import Processor
-from pipeline.worker.responder import Responder
-from pipeline.worker.scheduler import Scheduler
-from pipeline.worker.state import Session, WorkerStats
-from pipeline.worker.streaming import ChunkPublisher
+from pipeline.worker.state import WorkerStats
 
 __all__ = ["Worker", "WorkerStats"]
 
@@ -78,71 +68,41 @@ class Worker:
         self.worker_id = worker_id or cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.responses_topic = settings.topics.responses
         self.dlq_topic = settings.topics.dlq
-        self.stats = stats = WorkerStats()
-        self.metrics = metrics = metrics or WorkerMetrics(
-            pool=cfg.pool, tenants=TenantLabels(cfg.metrics_tenants, cfg.metrics_tenant_top_n))
-        self.session = session = Session()
-        self.scheduler = Scheduler(settings, self.topics, stats, metrics)
-        self.flow = Flow(cfg, session, self.scheduler)
-        # A transaction's outcomes that the plain produce refuses take the responder's careful path.
-        self.checkpoint = Checkpoint(cfg, session, stats, metrics,
-                                     publish=lambda *outcome: self.responder.produce(*outcome))
-        self.recent = RecentRequests(cfg.dedupe_window, self.checkpoint.exactly_once)
-        self.responder = Responder(settings, self.codec, self.worker_id, session, self.checkpoint, self.recent,
-                                   stats, metrics)
-        self.chunks = ChunkPublisher(settings, self.codec, self.worker_id, session, self.checkpoint.exactly_once)
-        self.processor = Processor(cfg, backend, self.codec, session, self.responder, self.scheduler, self.flow,
-                                   self.recent, stats, metrics, self.chunks, settings.topics.prefix)
+        metrics = metrics or WorkerMetrics(pool=cfg.pool,
+                                           tenants=TenantLabels(cfg.metrics_tenants, cfg.metrics_tenant_top_n))
+        self.ctx = ctx = WorkerContext.build(settings, topics=self.topics, codec=self.codec, worker_id=self.worker_id,
+                                             metrics=metrics)
+        self.stats, self.metrics, self.session = ctx.stats, ctx.metrics, ctx.session
+        self.scheduler, self.flow, self.checkpoint = ctx.scheduler, ctx.flow, ctx.checkpoint
+        self.recent, self.responder, self.chunks = ctx.recent, ctx.responder, ctx.chunks
+        self.processor = Processor(ctx, backend)
         self._consumer_overrides = consumer_overrides or {}
         self._producer_overrides = producer_overrides or {}
         self._stop = threading.Event()
         self._backend_full = False  # the last dispatch stopped because the backend had no room
 
-    # The session's clients, and what tests, tools and benchmarks read or swap.
-
     @property
     def consumer(self) -> Consumer | None:
+        """The session's consumer (None between sessions)."""
         return self.session.consumer
-
-    @consumer.setter
-    def consumer(self, consumer) -> None:
-        self.session.consumer = consumer
 
     @property
     def producer(self) -> Producer | None:
+        """The session's producer (None between sessions, or once abandoned)."""
         return self.session.producer
-
-    @producer.setter
-    def producer(self, producer) -> None:
-        self.session.producer = producer
-
-    @property
-    def cancellations(self) -> CancellationView | None:
-        return self.session.cancellations
-
-    @cancellations.setter
-    def cancellations(self, view) -> None:
-        self.session.cancellations = view
 
     @property
     def backend(self) -> Backend:
         return self.processor.backend
 
-    @backend.setter
-    def backend(self, backend: Backend) -> None:
-        self.processor.backend = backend
-
     @property
-    def tracker(self):
-        return self.checkpoint.tracker
+    def running(self) -> dict:
+        """The backend calls running now: ``(tp, offset)`` → their task."""
+        return self.processor.tasks
 
     @property
     def exactly_once(self) -> bool:
         return self.checkpoint.exactly_once
-
-    @property
-    def _tasks(self) -> dict:
-        return self.processor.tasks
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -174,12 +134,8 @@ class Worker:
             self._reset()
 
     def _reset(self) -> None:
-        self.session.restart = False
-        self.checkpoint.reset()
-        self.scheduler.reset()
-        self.flow.reset()
+        self.ctx.reset()
         self.processor.reset()
-        self.recent.clear()
 
     async def _session(self) -> None:
         cfg, session = self.cfg, self.session
@@ -195,8 +151,8 @@ class Worker:
         self.checkpoint.start(session.producer)
         session.consumer = Consumer(self.settings.kafka.consumer_config(
             self.group_id, **consumer_conf, **self._consumer_overrides))
-        session.consumer.subscribe(self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                   on_lost=self._on_lost)
+        session.consumer.subscribe(self.topics, on_assign=self.on_assign, on_revoke=self.on_revoke,
+                                   on_lost=self.on_lost)
         session.cancellations = CancellationView(self.settings)
         log.info("worker %s consuming %s as group %s (backend %s, max in flight %d)",
                  self.worker_id, ", ".join(self.topics), self.group_id, self.backend.name, cfg.max_inflight)
@@ -220,7 +176,7 @@ class Worker:
         tasks = processor.tasks
         idle_s = cfg.idle_poll_ms / 1000.0
         batch = cfg.batch_size
-        take, dispatch = self._take_many, self._dispatch
+        take, dispatch = self.take_many, self.dispatch
         session_s = cfg.session_timeout_ms / 1000.0
         last_turn = time.monotonic()
         hold_until = 0.0
@@ -274,18 +230,18 @@ class Worker:
 
     # -- taking and dispatching -----------------------------------------------------------
 
-    def _take_many(self, msgs: list) -> None:
+    def take_many(self, msgs: list) -> None:
         """:meth:`_take` each of ``msgs`` (one consume's worth), the common case inline."""
         started, add, skipping = self.checkpoint.tracker.started, self.scheduler.add, self.checkpoint.done_before
         for msg in msgs:
             if msg.error() is not None or skipping:
-                self._take(msg)  # errors, and the first messages after a rebalance: the whole story
+                self.take(msg)  # errors, and the first messages after a rebalance: the whole story
                 continue
             tp = (msg.topic(), msg.partition())
             started(tp, msg.offset())
             add(tp, msg)
 
-    def _take(self, msg) -> None:
+    def take(self, msg) -> None:
         """Accept a consumed message into its band's queue (its offset now holds commits back)."""
         err = msg.error()
         if err is not None:
@@ -298,7 +254,7 @@ class Worker:
         if self.checkpoint.take(tp, msg.offset()):
             self.scheduler.add(tp, msg)
 
-    def _dispatch(self) -> int:
+    def dispatch(self) -> int:
         """Start queued requests, highest band first (minimum shares aside), while slots are free.
 
         A slot is free while fewer than ``max_inflight`` calls run and, for a backend that paces
@@ -349,23 +305,23 @@ class Worker:
             processor.preempt(processor.held_model)
         return n
 
-    def _handle(self, msg) -> None:
+    def handle(self, msg) -> None:
         """Take one message and process it at once (no band scheduling): tests and tools."""
-        self._take(msg)
+        self.take(msg)
         if msg.error() is None:
             self.scheduler.take_back((msg.topic(), msg.partition()))
             self.processor.process([msg])
 
     # -- rebalances -----------------------------------------------------------------------
 
-    def _on_assign(self, consumer, partitions) -> None:
+    def on_assign(self, consumer, partitions) -> None:
         self.stats.rebalances += 1
         self.metrics.rebalances.labels(self.metrics.pool).inc()
         self.flow.assignment_changed = True
         log.info("assigned %s", _fmt(partitions))
         self.checkpoint.assigned(consumer, partitions)
 
-    def _on_revoke(self, consumer, partitions) -> None:
+    def on_revoke(self, consumer, partitions) -> None:
         self.stats.rebalances += 1
         self.metrics.rebalances.labels(self.metrics.pool).inc()
         self.flow.assignment_changed = True
@@ -374,7 +330,7 @@ class Worker:
         self._give_up(revoked)
         self.recent.forget_answers(self.checkpoint.revoked(revoked))
 
-    def _on_lost(self, consumer, partitions) -> None:
+    def on_lost(self, consumer, partitions) -> None:
         # Lost, not revoked: another member may already own them, so committing is pointless.
         self.flow.assignment_changed = True
         log.warning("lost %s (session timed out?)", _fmt(partitions))

@@ -14,44 +14,33 @@ import functools
 import logging
 import time
 
-from pipeline.config import WorkerSettings
 from pipeline.errors import DecodeError
-from pipeline.models import Request
-from pipeline.observability.metrics import WorkerMetrics
+from pipeline.models import Request, now_ms
 from pipeline.policy.validation import validate_request
-from pipeline.serde import Codec
-from pipeline.worker.backends.base import Backend
+from pipeline.worker.backends.base import Backend, PacedBackend, StreamingBackend
 from pipeline.worker.backends.routing import UnknownModelError
-from pipeline.worker.dedupe import IN_FLIGHT, RecentRequests
-from pipeline.worker.flow import Flow
-from pipeline.worker.responder import Responder
-from pipeline.worker.scheduler import Scheduler
-from pipeline.worker.state import Session, WorkerStats
-from pipeline.worker.streaming import ChunkPublisher, stream_completion
+from pipeline.worker.chunk_publisher import stream_completion
+from pipeline.worker.context import WorkerContext
+from pipeline.worker.dedupe import IN_FLIGHT
+from pipeline.worker.records import Answered, Taken
 
 log = logging.getLogger(__name__)
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 class Processor:
-    def __init__(self, cfg: WorkerSettings, backend: Backend, codec: Codec, session: Session, responder: Responder,
-                 scheduler: Scheduler, flow: Flow, recent: RecentRequests, stats: WorkerStats, metrics: WorkerMetrics,
-                 publisher: ChunkPublisher | None = None, topics_prefix: str | None = None):
-        self.cfg = cfg
-        self.publisher = publisher
-        self.topics_prefix = topics_prefix  # reply_to must name a topic under it
-        self.backend = backend  # see the setter: what the backend says about its room
-        self.codec = codec
-        self.session = session
-        self.responder = responder
-        self.scheduler = scheduler
-        self.flow = flow
-        self.recent = recent
-        self.stats = stats
-        self.metrics = metrics
+    def __init__(self, ctx: WorkerContext, backend: Backend):
+        self.cfg = ctx.cfg
+        self.publisher = ctx.chunks
+        self.topics_prefix = ctx.settings.topics.prefix  # reply_to must name a topic under it
+        self.backend = backend  # see the setter: what the backend can do
+        self.codec = ctx.codec
+        self.session = ctx.session
+        self.responder = ctx.responder
+        self.scheduler = ctx.scheduler
+        self.flow = ctx.flow
+        self.recent = ctx.recent
+        self.stats = ctx.stats
+        self.metrics = ctx.metrics
         #: The backend calls running now: (tp, offset) → task.
         self.tasks: dict[tuple[tuple[str, int], int], asyncio.Task] = {}
         self._task_of: dict[str, tuple] = {}  # request id → key in tasks
@@ -73,15 +62,14 @@ class Processor:
 
     @backend.setter
     def backend(self, backend: Backend) -> None:
-        # A backend that paces its servers says how many calls can start now (room) and takes
-        # a slot for each call before it starts (reserve), so requests wait in llmq's band
-        # queues, in priority order and preemptible, instead of in the servers' FIFO queues.
+        # Its capabilities are looked up once here, not per request.
         self._backend = backend
-        self.room = getattr(backend, "room", None)
-        self._reserve = getattr(backend, "reserve", None)
-        self._release = getattr(backend, "release", None)
-        self._same_servers = getattr(backend, "same_servers", None)
-        self._stream = getattr(backend, "stream", None)
+        paced = backend if isinstance(backend, PacedBackend) else None
+        self.room = paced.room if paced else None
+        self._reserve = paced.reserve if paced else None
+        self._release = paced.release if paced else None
+        self._same_servers = paced.same_servers if paced else None
+        self._streams = isinstance(backend, StreamingBackend)
 
     @property
     def releasing(self) -> int:
@@ -126,13 +114,12 @@ class Processor:
                 decoded.append((msg, decode(value)))
             except DecodeError as exc:
                 responder.dead_letter(msg, (msg.topic(), msg.partition()), msg.offset(), exc.reason, str(exc))
-        started = _now_ms()
+        started = now_ms()
         cancellations = self.session.cancellations
         seen, partial, prefix = self.recent.check, functools.partial, self.topics_prefix
         # Answers go out in message order (a copy of a request answered in the same chunk is
-        # given that answer): message by message, either a deferred answer (a callable) or
-        # [msg, request, answer, its index] whose answer the backend stage fills in (or
-        # replaces by a FAILED one).
+        # given that answer): message by message, either a deferred answer (a callable) or a
+        # Taken whose answer the backend stage fills in (or replaces by a FAILED one).
         outcomes: list = []
         runnable = []
         for msg, request in decoded:
@@ -155,7 +142,7 @@ class Processor:
             if request.created_at + request.timeout_ms <= started:
                 outcomes.append(partial(responder.expire, tp, offset, request, started))
                 continue
-            entry = [msg, request, None, len(outcomes)]
+            entry = Taken(msg, request, None, len(outcomes))
             outcomes.append(entry)
             runnable.append(entry)
         done = []
@@ -180,7 +167,7 @@ class Processor:
         counts = self.scheduler.preempt_counts
         budget = max_start
         for entry in runnable:
-            msg, request = entry[0], entry[1]
+            msg, request = entry.msg, entry.request
             tp, offset = (msg.topic(), msg.partition()), msg.offset()
             key = (tp, offset)
             slot = None
@@ -196,17 +183,17 @@ class Processor:
                             back.append(entry)
                             continue
             except UnknownModelError:
-                outcomes[entry[3]] = functools.partial(responder.model_unavailable, tp, offset, request, started)
+                outcomes[entry.index] = functools.partial(responder.model_unavailable, tp, offset, request, started)
                 continue
             except Exception as exc:  # answered FAILED in its place, like a failed backend call
-                outcomes[entry[3]] = functools.partial(responder.backend_failed, tp, offset, request, started,
+                outcomes[entry.index] = functools.partial(responder.backend_failed, tp, offset, request, started,
                                                        exc, backend.name)
                 continue
             # A preempted request's wait was observed when it first started: once per request.
             if not counts or key not in counts:
                 waits.append(entry)
             if completion is not None:
-                entry[2] = item = (tp, offset, request, completion)
+                entry.answered = item = Answered(tp, offset, request, completion)
                 done.append(item)
                 continue
             if create_task is None:
@@ -231,12 +218,12 @@ class Processor:
         their order, decoded (taken again, they are not decoded again, nor counted again)."""
         put_back, held = self.scheduler.put_back, self._held
         for entry in reversed(entries):
-            msg = entry[0]
-            held[id(msg)] = (msg, entry[1])
+            msg = entry.msg
+            held[id(msg)] = (msg, entry.request)
             put_back((msg.topic(), msg.partition()), msg)
             self.put_back.append(msg)
         # The most urgent of them is the one a preemption would make room for.
-        urgent = min(entries, key=lambda e: e[1].serving_priority.rank)[1]
+        urgent = min(entries, key=lambda e: e.request.serving_priority.rank).request
         if self.held_model is None or urgent.serving_priority.rank < self._held_rank:
             self.held_model, self._held_rank = urgent.model, urgent.serving_priority.rank
         self.stats.consumed -= len(entries)
@@ -255,8 +242,8 @@ class Processor:
                     completed_many(run, started)
                     run = []
                 item()
-            elif item[2] is not None:
-                run.append(item[2])
+            elif item.answered is not None:
+                run.append(item.answered)
         if run:
             completed_many(run, started)
 
@@ -268,7 +255,7 @@ class Processor:
         key = (tp, offset)
         try:
             backend = self.backend
-            if request.stream and self._stream is not None and self.publisher is not None:
+            if request.stream and self._streams and self.publisher is not None:
                 completion = await stream_completion(backend, request, slot, self.publisher, self.metrics,
                                                      lambda: self.scheduler.keep(key))
             else:
@@ -290,7 +277,8 @@ class Processor:
         except Exception as exc:  # a backend bug must not lose the request
             self.responder.backend_failed(tp, offset, request, started, exc, self.backend.name)
         else:
-            self.responder.completed_many([(tp, offset, request, completion)], started, time.perf_counter() - t0)
+            self.responder.completed_many([Answered(tp, offset, request, completion)], started,
+                                          time.perf_counter() - t0)
         finally:
             self.metrics.inflight_child.dec()
             me = asyncio.current_task()

@@ -16,9 +16,8 @@ import logging
 import time
 
 from pipeline.config import Settings
-from pipeline.partitioning import tenant_partition
+from pipeline.partitioning import ANY_PARTITION, tenant_partition
 from pipeline.policy.validation import own_topics
-from pipeline.worker.checkpoint import ANY_PARTITION
 from pipeline.worker.state import Session
 
 log = logging.getLogger(__name__)
@@ -41,24 +40,19 @@ class ReplyTargets:
         #: topic → its partition count, or (None, when to look again) for a missing topic.
         self._partitions: dict[str, int | tuple] = {topics.responses: topics.response_partitions}
         self._response_partitions = topics.response_partitions
-        self._home: dict[bytes, int] = {}
 
-    def is_home(self, key: bytes, topic: str, partition: int) -> bool:
+    def is_home(self, key: bytes, topic: str, partition: int | None) -> bool:
         """Whether an answer to ``topic``/``partition`` is where the gateway reads its tenant's
         completions (the responses topic, in the tenant's partition); if not, a receipt says it."""
         if topic != self.responses:
             return False
-        if partition == ANY_PARTITION:
+        if partition is ANY_PARTITION:
             return True
-        home = self._home.get(key)
-        if home is None:
-            if len(self._home) >= 65536:
-                self._home.clear()
-            home = self._home[key] = tenant_partition(key, self._response_partitions)
-        return partition == home
+        return partition == tenant_partition(key, self._response_partitions)
 
-    def of(self, request) -> tuple[str, int]:
-        """``(topic, partition)`` for ``request``'s answers; partition -1: the tenant's (by key)."""
+    def of(self, request) -> tuple[str, int | None]:
+        """``(topic, partition)`` for ``request``'s answers; partition ANY_PARTITION: the
+        tenant's (by key)."""
         topic = self.responses
         reply_to = request.reply_to
         if reply_to is not None and reply_to != topic:
@@ -70,7 +64,7 @@ class ReplyTargets:
         count = self.partitions(topic)
         return topic, (partition if count and partition < count else ANY_PARTITION)
 
-    def fallback(self, topic: str, partition: int) -> tuple[str, int] | None:
+    def fallback(self, topic: str, partition: int | None) -> tuple[str, int | None] | None:
         """Where to publish instead after the broker refused ``topic``/``partition`` as unknown,
         or None if that was the default destination already."""
         if topic == self.receipts:
@@ -78,7 +72,7 @@ class ReplyTargets:
         if topic != self.responses:
             self._partitions[topic] = (None, time.monotonic() + _MISSING_FOR_S)
             return self.responses, ANY_PARTITION
-        if partition != ANY_PARTITION:
+        if partition is not ANY_PARTITION:
             return self.responses, ANY_PARTITION
         return None
 

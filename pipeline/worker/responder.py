@@ -1,13 +1,12 @@
-"""Publishing outcomes: every taken message ends in exactly one response or dead letter.
+"""Each taken message's one outcome: a response or a dead letter.
 
-At-least-once, an outcome is produced at once and its offset finishes when the broker
-acknowledges it; a message the broker refuses is published again (made smaller if it was too
-large), and a fatal producer error stops the worker. Exactly-once, outcomes are handed to the
+At-least-once, an outcome is produced at once (publisher.py) and its offset finishes when the
+broker acknowledges it; a message the broker did not acknowledge is published again, and a
+fatal producer error stops the worker. Exactly-once, outcomes are handed to the offset
 checkpoint, which publishes them in the transaction that commits their offsets.
 
 An answer that does not fit the size caps (a runaway model output) still ends in a response:
-a FAILED one without the output. A dead letter too large for the broker keeps the head of
-the original value and says how long it was.
+a FAILED one without the output.
 """
 
 from __future__ import annotations
@@ -20,14 +19,16 @@ import time
 from confluent_kafka import KafkaError, KafkaException
 
 from pipeline.config import Settings
-from pipeline.dlq import H_TRUNCATED, dead_letter_headers
+from pipeline.dlq import dead_letter_headers
 from pipeline.errors import BackendError, EncodeError, KafkaOperationError
-from pipeline.models import Request, Response, Status
+from pipeline.models import Request, Response, Status, now_ms
 from pipeline.observability.metrics import WorkerMetrics, reason_code
 from pipeline.serde import RESPONSE_FIELDS, Codec
-from pipeline.worker.checkpoint import ANY_PARTITION, Checkpoint, Outcome
+from pipeline.partitioning import ANY_PARTITION
+from pipeline.worker.checkpoint import OffsetCheckpoint
+from pipeline.worker.records import Answered, Outcome, rd_partition
 from pipeline.worker.dedupe import RecentRequests
-from pipeline.worker.replies import ReplyTargets
+from pipeline.worker.publisher import UNKNOWN_DESTINATION, Publisher
 from pipeline.worker.scheduler import topic_bands
 from pipeline.worker.state import Session, WorkerStats
 
@@ -37,13 +38,6 @@ log = logging.getLogger(__name__)
 #: Where the output sits in a response's field values: a receipt is the answer without it.
 _OUTPUT = RESPONSE_FIELDS.index("output")
 
-#: The broker or the producer knows no such topic or partition (a reply destination).
-_UNKNOWN_DESTINATION = frozenset((KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC,
-                                  KafkaError.UNKNOWN_TOPIC_OR_PART))
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def _trace(request: Request) -> dict[str, str]:
@@ -60,13 +54,13 @@ def answer(request: Request, status: Status, worker_id: str, **fields) -> Respon
     """
     return Response.for_request(
         request, status, worker_id=worker_id, admitted_at=request.admitted_at,
-        served_priority=request.effective_priority or request.priority,
+        served_priority=request.serving_priority,
         degraded=request.degraded_from is not None, metadata=_trace(request), **fields)
 
 
 class Responder:
-    def __init__(self, settings: Settings, codec: Codec, worker_id: str, session: Session, checkpoint: Checkpoint,
-                 recent: RecentRequests, stats: WorkerStats, metrics: WorkerMetrics):
+    def __init__(self, settings: Settings, codec: Codec, worker_id: str, session: Session, checkpoint: OffsetCheckpoint,
+                 publisher: Publisher, recent: RecentRequests, stats: WorkerStats, metrics: WorkerMetrics):
         self.codec = codec
         self.wire = settings.serde.wire_format
         self.worker_id = worker_id
@@ -78,7 +72,8 @@ class Responder:
         self.recent = recent
         self.stats = stats
         self.metrics = metrics
-        self.targets = ReplyTargets(settings, session)
+        self.publisher = publisher
+        self.targets = publisher.targets
         # A dead letter has no decoded priority: its topic's band stands in.
         self._topic_band = {topic: band.value for topic, band in topic_bands(settings).items()}
 
@@ -155,12 +150,12 @@ class Responder:
         topic, partition = self.targets.of(request)  # where this copy asked for it
         self.emit(tp, offset, topic, value, key, None, partition)
 
-    def completed_many(self, done: list, started: int, seconds: float = 0.0) -> None:
-        """The COMPLETED answers of ``done`` ``(tp, offset, request, completion)``, the
+    def completed_many(self, done: list[Answered], started: int, seconds: float = 0.0) -> None:
+        """The COMPLETED answers of ``done``, the
         backend having taken ``seconds`` for each (0 for answers it gave at once)."""
         self.stats.completed += len(done)
         self.metrics.completed_many(done, seconds)
-        finished = _now_ms()
+        finished = now_ms()
         encode, wire, default_topic, worker_id = self.codec.encode_response_values, self.wire, \
             self.responses_topic, self.worker_id
         target = self.targets.of
@@ -175,7 +170,7 @@ class Responder:
             # RESPONSE_FIELDS order; the gateway fields are copied as answer() copies them.
             values = (request.request_id, request.tenant_id, completed, None, c.output, c.prompt_tokens,
                       c.completion_tokens, c.model, request.degraded_from is not None, request.priority,
-                      request.effective_priority or request.priority, request.created_at, request.admitted_at,
+                      request.serving_priority, request.created_at, request.admitted_at,
                       started, finished, worker_id, None,
                       {"trace_id": request.trace_id} if request.trace_id else {}, None, None,
                       c.finish_reason, c.usage_estimated)
@@ -186,32 +181,32 @@ class Responder:
             try:
                 value = encode(values, wire, topic)
             except EncodeError as exc:
-                value = self._fallback(Response(**dict(zip(RESPONSE_FIELDS, values))), f"response_too_large: {exc}")
+                value = self.publisher.failed_instead(Response(**dict(zip(RESPONSE_FIELDS, values))), f"response_too_large: {exc}")
             key = request.tenant_id.encode()
             if remember is not None:
                 remember(request.request_id, (tp, offset), value, key)
             receipt = None
-            if partition != ANY_PARTITION or topic != default_topic:
+            if partition is not ANY_PARTITION or topic != default_topic:
                 receipt = self._receipt_of(request, values, key, topic, partition)
             if hold is not None:
-                hold(tp, offset, (topic, value, key, None, partition), receipt)
+                hold(tp, offset, Outcome(topic, value, key, None, partition), receipt)
             else:
                 on_delivery = partial(delivered, tp, offset) if receipt is None else \
                     partial(self._answered, tp, offset, receipt[1])
                 try:
-                    produce(topic, value, key, partition=partition, on_delivery=on_delivery)
+                    produce(topic, value, key, partition=rd_partition(partition), on_delivery=on_delivery)
                 except (BufferError, KafkaException):  # queue full, or too large: the careful path
-                    self.produce(topic, value, key, None, on_delivery, partition)
+                    self.publisher.produce(topic, value, key, None, on_delivery, partition)
 
     def respond(self, tp, offset: int, response: Response, remember: bool = True,
-                target: tuple[str, int] | None = None) -> None:
+                target: tuple[str, int | None] | None = None) -> None:
         """Publish ``response`` as the outcome of the message at ``tp``/``offset``, to ``target``
         ``(topic, partition)`` (the request's reply destination; default the responses topic)."""
         topic, partition = target or (self.responses_topic, ANY_PARTITION)
         try:
             value = self.codec.encode_response(response, self.wire, topic)
         except EncodeError as exc:
-            value = self._fallback(response, f"response_too_large: {exc}")
+            value = self.publisher.failed_instead(response, f"response_too_large: {exc}")
         key = response.tenant_id.encode()
         if remember:
             self.recent.answered(response.request_id, (tp, offset), value, key)
@@ -221,26 +216,14 @@ class Responder:
                                                  self.receipts_topic)
         self.emit(tp, offset, topic, value, key, None, partition, receipt)
 
-    def _receipt_of(self, request: Request, values: tuple, key: bytes, topic: str, partition: int) -> Outcome | None:
+    def _receipt_of(self, request: Request, values: tuple, key: bytes, topic: str, partition: int | None) -> Outcome | None:
         """The receipt of a COMPLETED answer headed for ``topic``/``partition`` (None if the
         gateway reads it there, or no gateway dispatched the request)."""
         if request.admitted_at is None or self.targets.is_home(key, topic, partition):
             return None
         receipt = self.codec.encode_response_values(values[:_OUTPUT] + (None,) + values[_OUTPUT + 1:], self.wire,
                                                    self.receipts_topic)
-        return self.receipts_topic, receipt, key, None, ANY_PARTITION
-
-    def _fallback(self, response: Response, reason: str) -> bytes:
-        log.warning("request %s answered FAILED: %s", response.request_id, reason)
-        self.stats.failed += 1
-        self.metrics.outcome(response.requested_priority._value_, "failed")
-        failed = Response(
-            request_id=response.request_id, tenant_id=response.tenant_id, status=Status.FAILED, reason=reason[:500],
-            model=None, degraded=response.degraded, requested_priority=response.requested_priority,
-            served_priority=response.served_priority,
-            created_at=response.created_at, admitted_at=response.admitted_at, started_at=response.started_at,
-            finished_at=_now_ms(), worker_id=self.worker_id)
-        return self.codec.encode_response(failed, self.wire, self.responses_topic)
+        return Outcome(self.receipts_topic, receipt, key)
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -252,7 +235,7 @@ class Responder:
         headers = dead_letter_headers(tp[0], tp[1], offset, reason, error, "worker", msg.headers())
         self.emit(tp, offset, self.dlq_topic, msg.value(), msg.key(), headers)
 
-    def emit(self, tp, offset: int, topic: str, value, key, headers, partition: int = ANY_PARTITION,
+    def emit(self, tp, offset: int, topic: str, value, key, headers, partition: int | None = ANY_PARTITION,
              receipt: bytes | None = None) -> None:
         """Publish the one outcome of the message at ``tp``/``offset``, and its ``receipt`` (an
         answer that goes where the gateway does not read: see TopicSettings.receipts).
@@ -261,55 +244,17 @@ class Responder:
         finishes once the receipt is: a crash in between answers the request again (the
         client drops the repeat) rather than leaving its tenant's quota taken for good."""
         if self.checkpoint.exactly_once:
-            self.checkpoint.hold(tp, offset, (topic, value, key, headers, partition),
-                                 None if receipt is None else (self.receipts_topic, receipt, key, None, ANY_PARTITION))
+            self.checkpoint.hold(tp, offset, Outcome(topic, value, key, headers, partition),
+                                 None if receipt is None else Outcome(self.receipts_topic, receipt, key))
         elif receipt is None:
-            self.produce(topic, value, key, headers, functools.partial(self._delivered, tp, offset), partition)
+            self.publisher.produce(topic, value, key, headers, functools.partial(self._delivered, tp, offset), partition)
         else:
-            self.produce(topic, value, key, headers, functools.partial(self._answered, tp, offset, receipt), partition)
-
-    def produce(self, topic: str, value, key, headers, on_delivery, partition: int = ANY_PARTITION) -> None:
-        """Produce, however long the local queue stays full, shrunk if it is too large, and to
-        the responses topic if a reply topic or partition turns out not to exist."""
-        producer = self.session.producer
-        while True:
-            try:
-                producer.produce(topic, value, key, headers=headers, on_delivery=on_delivery, partition=partition)
-                return
-            except BufferError:
-                # Local queue full: serve delivery reports until there is room.
-                producer.poll(0.05)
-            except KafkaException as exc:
-                code = exc.args[0].code()
-                if code in _UNKNOWN_DESTINATION:
-                    instead = self.targets.fallback(topic, partition)
-                    if instead is None:
-                        raise
-                    topic, partition = instead
-                    continue
-                if code != KafkaError.MSG_SIZE_TOO_LARGE:
-                    raise
-                topic, value, key, headers = self._shrunk(topic, value, key, headers)
-
-    def _shrunk(self, topic: str, value, key, headers):
-        """A message the broker or producer refuses as too large, made small enough to publish.
-
-        A dead letter keeps the head of the original value and says how long it was; a
-        response becomes a FAILED response without its output. Either way the request
-        still ends in exactly one outcome and the partition moves on.
-        """
-        if topic == self.dlq_topic:
-            own = [(k, v) for k, v in (headers or []) if k.startswith("llmq.dlq.")]
-            size = len(value or b"") + len(key or b"") + sum(len(k) + len(v or b"") for k, v in (headers or []))
-            log.warning("dead letter of %d bytes exceeds the size limit; keeping its first 64 KiB", size)
-            return topic, (value or b"")[:65536], (key or b"")[:1024], own + [(H_TRUNCATED, str(size).encode())]
-        response = self.codec.decode_response(value)
-        return topic, self._fallback(response, "response_too_large: the broker refused its size"), key, None
+            self.publisher.produce(topic, value, key, headers, functools.partial(self._answered, tp, offset, receipt), partition)
 
     def _answered(self, tp, offset: int, receipt: bytes, err, msg) -> None:
         """The answer is acknowledged (or not): now its receipt, whose delivery finishes the offset."""
         if err is None:
-            self.produce(self.receipts_topic, receipt, msg.key(), None, functools.partial(self._delivered, tp, offset))
+            self.publisher.produce(self.receipts_topic, receipt, msg.key(), None, functools.partial(self._delivered, tp, offset))
             return
         self._not_delivered(err, msg, functools.partial(self._answered, tp, offset, receipt),
                             f"{tp[0]}[{tp[1]}]@{offset}")
@@ -328,15 +273,14 @@ class Responder:
         large, to the responses topic if its reply topic or partition does not exist, or stop
         on a fatal error; its offset is not committed meanwhile."""
         if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
-            partition = msg.partition()
-            self.produce(*self._shrunk(msg.topic(), msg.value(), msg.key(), msg.headers()), on_delivery,
-                         partition if partition is not None and partition >= 0 else ANY_PARTITION)
+            self.publisher.produce(*self.publisher.shrunk(msg.topic(), msg.value(), msg.key(), msg.headers()), on_delivery,
+                         _any_if_unset(msg.partition()))
             return
-        if err.code() in _UNKNOWN_DESTINATION:
-            instead = self.targets.fallback(msg.topic(), msg.partition())
+        if err.code() in UNKNOWN_DESTINATION:
+            instead = self.targets.fallback(msg.topic(), _any_if_unset(msg.partition()))
             if instead is not None:
                 log.warning("response for %s: %s; publishing it to %s", what, err, instead[0])
-                self.produce(instead[0], msg.value(), msg.key(), msg.headers(), on_delivery, instead[1])
+                self.publisher.produce(instead[0], msg.value(), msg.key(), msg.headers(), on_delivery, instead[1])
                 return
         if err.fatal():
             self.session.fail(KafkaOperationError("produce response", err.str(), err))
@@ -345,7 +289,10 @@ class Responder:
         # Not acknowledged: never commit past it; publish again (idempotent producer).
         self.stats.delivery_retries += 1
         log.warning("response for %s not delivered (%s); retrying", what, err)
-        partition = msg.partition()
-        self.produce(msg.topic(), msg.value(), msg.key(), msg.headers(), on_delivery,
-                     partition if partition is not None and partition >= 0 else ANY_PARTITION)
+        self.publisher.produce(msg.topic(), msg.value(), msg.key(), msg.headers(), on_delivery, _any_if_unset(msg.partition()))
 
+
+
+def _any_if_unset(partition: int | None) -> int | None:
+    """A delivered message's partition as llmq spells it (librdkafka reports -1 for none)."""
+    return partition if partition is not None and partition >= 0 else ANY_PARTITION

@@ -23,7 +23,7 @@ def llmq(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def _java_pids_for(data_dir: Path) -> list[int]:
-    return LocalBroker(1, data_dir)._stray_pids()
+    return LocalBroker(1, data_dir).stray_pids()
 
 
 def test_broker_up_status_down_lifecycle_leaves_no_java_process(tmp_path):

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Producer
 
-from pipeline import dlq
+from pipeline import dlq, dlq_tools
 from pipeline.client import LlmqClient
 from pipeline.partitioning import tenant_partition
-from pipeline.dlq import Filter
+from pipeline.dlq_tools import Filter
 from pipeline.models import Priority, Request, Status
 from pipeline.serde import Codec, SchemaStore
 from tests.integration.harness import read_topic, running_worker
@@ -155,19 +155,19 @@ def test_an_interrupted_replay_goes_on_where_it_stopped_and_filters_never_cause_
             raise Stop
 
     with pytest.raises(Stop):
-        dlq.replay(settings, Filter(frozenset({"malformed"})), batch_size=2, on_progress=stop_after_first_batch)
+        dlq_tools.replay(settings, Filter(frozenset({"malformed"})), batch_size=2, on_progress=stop_after_first_batch)
     assert len(replay_copies(settings, low)) == 2
 
-    again = dlq.replay(settings, Filter(frozenset({"malformed"})), batch_size=2)
+    again = dlq_tools.replay(settings, Filter(frozenset({"malformed"})), batch_size=2)
     assert (again.matched, len(again.replayed), again.already_replayed) == (4, 2, 2)
-    everything = dlq.replay(settings, Filter())
+    everything = dlq_tools.replay(settings, Filter())
     assert (everything.matched, len(everything.replayed), everything.already_replayed) == (6, 2, 4)
-    nothing = dlq.replay(settings, Filter())
+    nothing = dlq_tools.replay(settings, Filter())
     assert (len(nothing.replayed), nothing.already_replayed) == (0, 6)
 
     copies = replay_copies(settings, low)
     assert _sources(copies) == [f"{settings.topics.dlq}:0:{o}" for o in range(6)]  # each once
-    rows = dlq.list_letters(settings, Filter())
+    rows = dlq_tools.list_letters(settings, Filter())
     assert len(rows) == 6 and all(r["replayed_to"] for r in rows)  # the marks are not listed
 
 
@@ -175,33 +175,33 @@ def test_a_replay_that_died_mid_transaction_is_rolled_back_and_done_once_by_the_
     low = settings.topics.request_topic(Priority.LOW)
     _dead_letters(settings, ["malformed", "malformed"], low)
     # What a replay killed after publishing its first copy and mark leaves: an open transaction.
-    dead = Producer(settings.kafka.producer_config(**{"transactional.id": dlq.replay_transactional_id(
+    dead = Producer(settings.kafka.producer_config(**{"transactional.id": dlq_tools.replay_transactional_id(
         settings.topics.dlq), "transaction.timeout.ms": 600_000}))
     dead.init_transactions(30)
     dead.begin_transaction()
-    first = dlq.DlqReader(settings)
+    first = dlq_tools.DlqReader(settings)
     try:
         (letter, _) = list(first.read(first.bounds()))
     finally:
         first.close()
-    dead.produce(low, letter.value, letter.key, headers=dlq.copy_headers(letter))
-    dead.produce(settings.topics.dlq, None, dlq.MARK_KEY, partition=0,
-                 headers=dlq.mark_headers(letter, f"{low}:0:0", 0))
+    dead.produce(low, letter.value, letter.key, headers=dlq_tools.copy_headers(letter))
+    dead.produce(settings.topics.dlq, None, dlq_tools.MARK_KEY, partition=0,
+                 headers=dlq_tools.mark_headers(letter, f"{low}:0:0", 0))
     assert dead.flush(10) == 0
 
-    report = dlq.replay(settings, Filter())  # fences the dead one, aborting its transaction
+    report = dlq_tools.replay(settings, Filter())  # fences the dead one, aborting its transaction
     assert (len(report.replayed), report.already_replayed) == (2, 0)
     assert _sources(replay_copies(settings, low)) == [f"{settings.topics.dlq}:0:0", f"{settings.topics.dlq}:0:1"]
-    assert dlq.replay(settings, Filter()).already_replayed == 2
+    assert dlq_tools.replay(settings, Filter()).already_replayed == 2
 
 
 def test_list_filters_by_time_and_show_refuses_what_is_not_there(settings):
     low = settings.topics.request_topic(Priority.LOW)
     _dead_letters(settings, ["malformed", "bad_magic"], low)
-    assert [r["reason"] for r in dlq.list_letters(settings, Filter(since_ms=dlq.parse_time("5m")))] == [
+    assert [r["reason"] for r in dlq_tools.list_letters(settings, Filter(since_ms=dlq_tools.parse_time("5m")))] == [
         "malformed", "bad_magic"]
-    assert dlq.list_letters(settings, Filter(until_ms=dlq.parse_time("1h"))) == []
-    assert dlq.list_letters(settings, Filter(since_ms=dlq.parse_time("1m") + 120_000)) == []
+    assert dlq_tools.list_letters(settings, Filter(until_ms=dlq_tools.parse_time("1h"))) == []
+    assert dlq_tools.list_letters(settings, Filter(since_ms=dlq_tools.parse_time("1m") + 120_000)) == []
     table = llmq(settings, "dlq", "list", "--reason", "bad_magic")
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()

@@ -68,9 +68,9 @@ def test_a_critical_request_preempts_a_long_background_call_which_is_answered_on
     assert producer.flush(30) == 0
     with running_worker(settings, SimulatedBackend(latency_ms=20)) as worker:  # every call takes a slot
         deadline = time.monotonic() + 60
-        while not worker._tasks and time.monotonic() < deadline:
+        while not worker.running and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert worker._tasks, "the BACKGROUND call never started"
+        assert worker.running, "the BACKGROUND call never started"
         (urgent,) = _queue(settings, Priority.CRITICAL, 1, tenant="tenant-urgent")
         responses = _responses(settings, 2)
         time.sleep(1)  # a second answer to either would have arrived by now
@@ -98,9 +98,9 @@ def test_a_quiet_tenant_does_not_wait_for_a_tenant_holding_every_slot_with_long_
     assert producer.flush(30) == 0
     with running_worker(settings, SimulatedBackend(latency_ms=20)) as worker:
         deadline = time.monotonic() + 60
-        while len(worker._tasks) < 2 and time.monotonic() < deadline:
+        while len(worker.running) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert len(worker._tasks) == 2, "the flooder's calls never filled both slots"
+        assert len(worker.running) == 2, "the flooder's calls never filled both slots"
         quiet = Request.new("tenant-quiet", "a short question", max_tokens=4, timeout_ms=600_000)
         producer.produce(topic, codec.encode_request(quiet), b"tenant-quiet", partition=1)
         assert producer.flush(30) == 0

@@ -16,7 +16,7 @@ from pipeline.cancellations import cancellation_record
 from pipeline.models import Priority, Request, Status
 from pipeline.serde import Codec
 from pipeline.simulator.process import SimulatorProcess
-from pipeline.streams import ChunkReader
+from pipeline.chunks import ChunkReader
 from pipeline.worker.backends.factory import make_backend
 from tests.integration.backends.fault_proxy import FaultProxy
 from tests.integration.harness import read_topic, running_worker

@@ -20,7 +20,7 @@ def test_version_prints_the_package_version():
     out = subprocess.run([sys.executable, "-m", "pipeline.cli", "--version"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0
-    assert out.stdout.strip() == f"llmq {cli._version()}"
+    assert out.stdout.strip() == f"llmq {cli.version()}"
     assert out.stdout.split()[1][0].isdigit()
 
 
@@ -53,7 +53,7 @@ def test_a_bad_log_level_is_refused_naming_the_choices(capsys):
 def test_dlq_filters_parse_times_and_reasons():
     args = parse("dlq", "list", "--reason", "malformed,truncated", "--reason", "bad_magic",
                  "--since", "2026-01-31T14:00", "--until", "1800000000000")
-    flt = cli._dlq_filter(args)
+    flt = cli.dlq_filter(args)
     assert flt.reasons == {"malformed", "truncated", "bad_magic"}
     assert flt.since_ms == 1769868000000 and flt.until_ms == 1800000000000
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from pipeline.client import LlmqClient, _Correlator
+from pipeline.client import LlmqClient, Correlator
 from pipeline.config import Settings
 from pipeline.errors import LlmqError, RequestTimeoutError
 from pipeline.models import Request, Response, Status
@@ -17,7 +17,7 @@ def _queued(req: Request, position: int) -> Response:
 
 
 def test_queued_does_not_resolve_the_future_but_is_observable():
-    c = _Correlator()
+    c = Correlator()
     req = Request.new("t", "p", notify_queued=True)
     fut = c.expect(req.request_id)
     assert c.queued(req.request_id) is None
@@ -32,7 +32,7 @@ def test_queued_does_not_resolve_the_future_but_is_observable():
 
 
 def test_queued_after_the_answer_changes_nothing():
-    c = _Correlator()
+    c = Correlator()
     req = Request.new("t", "p")
     fut = c.expect(req.request_id)
     done = Response.for_request(req, Status.EXPIRED)
@@ -42,7 +42,7 @@ def test_queued_after_the_answer_changes_nothing():
 
 
 def test_every_terminal_status_resolves():
-    c = _Correlator()
+    c = Correlator()
     for status in Status:
         req = Request.new("t", "p")
         fut = c.expect(req.request_id)
@@ -51,7 +51,7 @@ def test_every_terminal_status_resolves():
 
 
 def test_queued_is_not_kept_as_an_early_response():
-    c = _Correlator(early_max=2)
+    c = Correlator(early_max=2)
     answered = [Request.new("t", str(i)) for i in range(2)]
     for req in answered:
         c.deliver(Response.for_request(req, Status.COMPLETED))
@@ -68,7 +68,7 @@ def test_queued_is_not_kept_as_an_early_response():
 
 
 def test_duplicates_after_the_first_terminal_response_are_ignored():
-    c = _Correlator()
+    c = Correlator()
     req = Request.new("t", "p")
     fut = c.expect(req.request_id)
     first = Response.for_request(req, Status.COMPLETED, output="one")
@@ -78,7 +78,7 @@ def test_duplicates_after_the_first_terminal_response_are_ignored():
 
 
 def test_forget_drops_the_waiter_and_its_queued_event():
-    c = _Correlator()
+    c = Correlator()
     req = Request.new("t", "p")
     c.expect(req.request_id)
     c.deliver(_queued(req, 3))
@@ -87,7 +87,7 @@ def test_forget_drops_the_waiter_and_its_queued_event():
 
 
 def test_fail_all_fails_pending_waiters_only():
-    c = _Correlator()
+    c = Correlator()
     a, b = Request.new("t", "a"), Request.new("t", "b")
     fa, fb = c.expect(a.request_id), c.expect(b.request_id)
     c.deliver(Response.for_request(a, Status.COMPLETED))
@@ -109,7 +109,7 @@ def client():
 def test_result_waits_through_queued_events(client):
     req = Request.new("t", "p", notify_queued=True)
     fut = client.response_future(req.request_id)
-    correlator = client._engine.correlator
+    correlator = client.engine.correlator
     answer = Response.for_request(req, Status.COMPLETED, output="done")
     seen: list[int | None] = []
 
@@ -129,7 +129,7 @@ def test_result_waits_through_queued_events(client):
 def test_result_times_out_on_queued_alone(client):
     req = Request.new("t", "p", notify_queued=True)
     client.response_future(req.request_id)
-    client._engine.correlator.deliver(_queued(req, 0))
+    client.engine.correlator.deliver(_queued(req, 0))
     with pytest.raises(RequestTimeoutError):
         client.result(req.request_id, timeout=0.05)
 
@@ -158,34 +158,34 @@ class _StuckConsumer:
 
 
 def _engine_with(correlator):
-    from pipeline.client import _Engine
+    from pipeline.client import ClientEngine
 
-    engine = _Engine.__new__(_Engine)
+    engine = ClientEngine.__new__(ClientEngine)
     engine.correlator = correlator
     return engine
 
 
 def test_a_listener_behind_the_high_watermark_with_someone_waiting_is_reassigned_at_its_position():
-    correlator = _Correlator()
+    correlator = Correlator()
     correlator.expect("waiting-id")
     consumer = _StuckConsumer(position=40, high=45)
-    _engine_with(correlator)._unstick(consumer)
+    _engine_with(correlator).unstick(consumer)
     assert consumer.reassigned == [[("llm.responses", 0, 40)]]
 
 
 def test_an_idle_listener_with_nothing_to_read_or_nobody_waiting_is_left_alone():
-    waiting = _Correlator()
+    waiting = Correlator()
     waiting.expect("id")
     caught_up = _StuckConsumer(position=45, high=45)
-    _engine_with(waiting)._unstick(caught_up)
+    _engine_with(waiting).unstick(caught_up)
     behind = _StuckConsumer(position=40, high=45)
-    _engine_with(_Correlator())._unstick(behind)
+    _engine_with(Correlator()).unstick(behind)
     assert caught_up.reassigned == [] and behind.reassigned == []
 
 
 # -- replies to their owner: reply partitions, the gateway's first word, streams --------------------
 
-from pipeline.client import Submitted, _LoopWaker, _Stream  # noqa: E402
+from pipeline.client import Submitted, LoopWaker, StreamState  # noqa: E402
 from pipeline.models import Chunk, Priority  # noqa: E402
 from pipeline.serde import Codec  # noqa: E402
 from pipeline.tenants.signing import verify  # noqa: E402
@@ -194,10 +194,10 @@ from pipeline.tenants.signing import verify  # noqa: E402
 def test_requests_name_the_clients_reply_partitions_in_turn_unless_they_name_their_own():
     c = LlmqClient(Settings.load(env={}), listen=False, reply_partitions=[4, 2])
     try:
-        parts = [c._engine.addressed(Request.new("t", "p")).reply_partition for _ in range(4)]
+        parts = [c.engine.addressed(Request.new("t", "p")).reply_partition for _ in range(4)]
         assert sorted(set(parts)) == [2, 4] and parts[0] != parts[1]
         own = Request.new("t", "p", reply_partition=1)
-        assert c._engine.addressed(own) is own
+        assert c.engine.addressed(own) is own
         assert c.reply_partitions == [2, 4]
     finally:
         c.close()
@@ -206,14 +206,14 @@ def test_requests_name_the_clients_reply_partitions_in_turn_unless_they_name_the
 def test_a_reply_topic_of_its_own_is_named_in_every_request():
     c = LlmqClient(Settings.load(env={}), listen=False, reply_partitions=[0], reply_to="llm.replies.acme")
     try:
-        req = c._engine.addressed(Request.new("acme", "p"))
+        req = c.engine.addressed(Request.new("acme", "p"))
         assert req.reply_to == "llm.replies.acme" and req.reply_partition == 0
     finally:
         c.close()
 
 
 def test_the_first_word_is_the_first_queued_event_or_the_answer():
-    c = _Correlator()
+    c = Correlator()
     queued, refused = Request.new("t", "a", notify_queued=True), Request.new("t", "b", notify_queued=True)
     c.expect(queued.request_id)
     first_q, first_r = c.first_word(queued.request_id), c.first_word(refused.request_id)
@@ -238,7 +238,7 @@ def _chunk(req, seq, delta, last=False):
 
 def test_a_stream_hands_out_chunks_in_order_each_once_and_ends_at_the_last():
     req = Request.new("t", "p")
-    s = _Stream(req)
+    s = StreamState(req)
     assert s.feed(_chunk(req, 1, "b")) == []  # waits for 0
     assert [c.delta for c in s.feed(_chunk(req, 0, "a"))] == ["a", "b"]
     assert s.feed(_chunk(req, 0, "a")) == [] and s.feed(_chunk(req, 1, "b")) == []  # copies
@@ -248,10 +248,10 @@ def test_a_stream_hands_out_chunks_in_order_each_once_and_ends_at_the_last():
 
 def test_a_stream_ends_early_on_a_refusal_and_settles_a_completed_answer_it_did_not_fully_see():
     req = Request.new("t", "p")
-    refused = _Stream(req)
+    refused = StreamState(req)
     refused.feed(Response.for_request(req, Status.REJECTED, reason="rate_limited: x"))
     assert refused.ended and not refused.answered
-    partial = _Stream(req)
+    partial = StreamState(req)
     partial.feed(_chunk(req, 0, "hel"))
     partial.feed(Response.for_request(req, Status.COMPLETED, output="hello", finish_reason="length"))
     assert partial.answered and not partial.ended
@@ -264,7 +264,7 @@ def test_the_loop_waker_wakes_the_loop_once_per_batch():
 
     async def go():
         loop = asyncio.get_running_loop()
-        waker = _LoopWaker(loop)
+        waker = LoopWaker(loop)
         got: list = []
         calls = []
         original = loop.call_soon_threadsafe
@@ -301,24 +301,24 @@ class _Producer:
 
 def test_requests_of_tenants_with_a_secret_are_signed_over_their_bytes():
     c = LlmqClient(Settings.load(env={}), listen=False, signing_secret={"acme": b"s3cret"})
-    real = c._engine.producer
+    real = c.engine.producer
     try:
-        c._engine.producer = fake = _Producer()
-        c._engine.submit_future(Request.new("acme", "signed", priority=Priority.HIGH))
-        c._engine.submit_future(Request.new("other", "unsigned"))
+        c.engine.producer = fake = _Producer()
+        c.engine.submit_future(Request.new("acme", "signed", priority=Priority.HIGH))
+        c.engine.submit_future(Request.new("other", "unsigned"))
         (topic, value, key, headers), (_, _, _, none) = fake.produced
         [(name, sig)] = headers
         assert topic.endswith(".requests.high") and key == b"acme" and name == "llmq-signature"
         assert verify(b"s3cret", value, sig.decode()) and none is None
         assert Codec.default().decode_request(value).tenant_id == "acme"
     finally:
-        c._engine.producer = real
+        c.engine.producer = real
         c.close()
 
 
 def test_a_settled_stream_hands_out_what_came_past_a_gap_before_the_rest_of_the_answer():
     req = Request.new("t", "p")
-    s = _Stream(req)
+    s = StreamState(req)
     assert [c.delta for c in s.feed(_chunk(req, 0, "a"))] == ["a"]
     assert s.feed(_chunk(req, 2, "c")) == []  # chunk 1 was lost
     s.feed(Response.for_request(req, Status.COMPLETED, output="abcd"))

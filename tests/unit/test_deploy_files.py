@@ -16,7 +16,7 @@ def test_docker_compose_runs_the_same_kafka_version_and_single_node_settings(tmp
     assert kafka["image"] == f"apache/kafka:{Settings().broker.kafka_version}"
     env = kafka["environment"]
     broker = LocalBroker(9092, tmp_path)
-    broker._write_config(9093)
+    broker.write_config(9093)
     local = dict(line.split("=", 1) for line in (tmp_path / "server.properties").read_text().splitlines())
     for key in ("offsets.topic.replication.factor", "transaction.state.log.replication.factor",
                 "transaction.state.log.min.isr", "group.initial.rebalance.delay.ms", "auto.create.topics.enable"):

@@ -32,8 +32,8 @@ import aiohttp
 
 from pipeline.errors import BackendError
 from pipeline.models import Request
-from pipeline.worker.backends.base import Completion
-from pipeline.worker.backends.openai_wire import (Chunk, SseParser, StreamAssembler, Usage, WireError, chat_body,
+from pipeline.worker.backends.base import Completion, Piece, Usage
+from pipeline.worker.backends.openai_wire import (SseParser, StreamAssembler, WireError, chat_body,
                                                   completion_from_json, error_reason, prompt_token_estimate,
                                                   retry_after_s)
 from pipeline.worker.backends.pacing import PacingConfig, PacingGate, Slot
@@ -168,7 +168,7 @@ class OpenAIBackend:
             if reserved is not None:  # the call failed before it could take it over
                 self.gate.release(reserved)
 
-    async def stream(self, request: Request, reserved: Slot | None = None) -> AsyncIterator[Chunk]:
+    async def stream(self, request: Request, reserved: Slot | None = None) -> AsyncIterator[Piece]:
         """The answer chunk by chunk; the last chunk has ``finish_reason`` and ``usage``.
 
         ``usage`` is the server's, or estimated (``usage.estimated``) from a server that
@@ -346,7 +346,7 @@ class OpenAIBackend:
                         retry_after=retry_after_s(resp.headers.get("retry-after"), time.time()))
 
     async def _chunks(self, call: _Call, server: Server, slot: Slot, resp: aiohttp.ClientResponse,
-                      sent: float) -> AsyncIterator[Chunk]:
+                      sent: float) -> AsyncIterator[Piece]:
         loop_ends = _loop_deadline(call.ends)
         assembler = StreamAssembler(prompt_token_estimate(call.body))
         try:
@@ -359,8 +359,8 @@ class OpenAIBackend:
                     raise WireError("unexpected response body (not JSON)") from None
                 self.routes.mark_ok(server)
                 if completion.output:
-                    yield Chunk(0, completion.output)
-                yield Chunk(1 if completion.output else 0, "", completion.finish_reason,
+                    yield Piece(0, completion.output)
+                yield Piece(1 if completion.output else 0, "", completion.finish_reason,
                             _usage_of(completion))
                 return
             parser = SseParser()

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import Any, Iterable, Mapping
 
 from pipeline.models import Request
-from pipeline.worker.backends.base import Completion, estimate_tokens
+from pipeline.policy.tokens import estimate_tokens
+from pipeline.worker.backends.base import Completion, Piece, Usage
 
 #: Request fields a later schema revision adds; sent when the request has them and they are set.
 SAMPLING_FIELDS = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty")
@@ -30,29 +30,6 @@ class WireError(Exception):
     def __init__(self, reason: str, retriable: bool = False):
         self.retriable = retriable
         super().__init__(reason)
-
-
-@dataclass(slots=True, frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    #: True when the server did not report usage and these are llmq's estimates.
-    estimated: bool = False
-
-
-@dataclass(slots=True, frozen=True)
-class Chunk:
-    """One piece of a streamed answer. ``index`` counts from 0 in the order of arrival; the
-    last chunk of every stream has ``finish_reason`` and ``usage`` set (and often no text)."""
-
-    index: int
-    text: str
-    finish_reason: str | None = None
-    usage: Usage | None = None
-
-    @property
-    def last(self) -> bool:
-        return self.usage is not None
 
 
 def messages_of(request: Request) -> list[dict[str, Any]]:
@@ -117,7 +94,7 @@ def completion_from_json(data: Any, request: Request) -> Completion:
 
 
 class StreamAssembler:
-    """Turns the ``data:`` payloads of an SSE stream into :class:`Chunk` s.
+    """Turns the ``data:`` payloads of an SSE stream into :class:`Piece` s.
 
     :meth:`feed` takes one event's data and returns the chunk it carries (or None);
     :meth:`finish` returns the closing chunk with ``finish_reason`` and usage (the
@@ -134,7 +111,7 @@ class StreamAssembler:
         self.model: str | None = None
         self.done = False
 
-    def feed(self, data: str) -> Chunk | None:
+    def feed(self, data: str) -> Piece | None:
         self.events += 1
         if data.strip() == "[DONE]":
             self.done = True
@@ -167,7 +144,7 @@ class StreamAssembler:
         if not text:
             return None
         self.content_chunks += 1
-        chunk = Chunk(self.count, text)
+        chunk = Piece(self.count, text)
         self.count += 1
         return chunk
 
@@ -176,13 +153,13 @@ class StreamAssembler:
         """Whether the stream ended as the protocol ends one (not cut off half-way)."""
         return self.done or self.finish_reason is not None
 
-    def finish(self) -> Chunk:
+    def finish(self) -> Piece:
         usage = self.usage or {}
         if "completion_tokens" in usage:
             final = Usage(int(usage.get("prompt_tokens", 0)), int(usage["completion_tokens"]))
         else:
             final = Usage(int(usage.get("prompt_tokens", self.prompt_estimate)), self.content_chunks, estimated=True)
-        chunk = Chunk(self.count, "", self.finish_reason, final)
+        chunk = Piece(self.count, "", self.finish_reason, final)
         self.count += 1
         return chunk
 

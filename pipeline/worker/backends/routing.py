@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterable, Mapping, Sequence
 
+from pipeline.config.fields import is_http_url, parse_routes
 from pipeline.errors import BackendError
 
 WILDCARD = "*"
@@ -69,7 +70,7 @@ class RoutingTable:
             servers = []
             for url in urls:
                 url = url.strip().rstrip("/")
-                if not url.startswith(("http://", "https://")):
+                if not is_http_url(url):
                     raise ValueError(f"route {model!r}: {url!r} is not an http:// or https:// URL")
                 server = by_url.setdefault(url, Server(url))
                 if server not in servers:
@@ -88,16 +89,8 @@ class RoutingTable:
 
     @classmethod
     def parse(cls, spec: str, **kwargs) -> "RoutingTable":
-        """``"big=http://a:8000/v1,http://b:8000/v1; small=http://c:8000/v1; *=http://d/v1"``."""
-        routes: dict[str, list[str]] = {}
-        for part in spec.split(";"):
-            if not part.strip():
-                continue
-            model, sep, urls = part.partition("=")
-            if not sep or not model.strip():
-                raise ValueError(f"route {part.strip()!r} is not MODEL=URL[,URL...]")
-            routes.setdefault(model.strip(), []).extend(u for u in urls.split(",") if u.strip())
-        return cls(routes, **kwargs)
+        """The table ``worker.openai_routes`` spells (pipeline.config.fields.parse_routes)."""
+        return cls(parse_routes(spec), **kwargs)
 
     @property
     def models(self) -> list[str]:

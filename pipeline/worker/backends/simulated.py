@@ -6,6 +6,7 @@ import asyncio
 import zlib
 
 from pipeline.models import Request
+from pipeline.policy.tokens import estimate_tokens
 from pipeline.worker.backends.base import Completion
 
 _WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
@@ -40,7 +41,8 @@ class SimulatedBackend:
         self._answers = [_sentence_prefixes(i, max_output_tokens) for i in range(_VARIANTS)]
         self._model_crc: dict[str, int] = {}  # model name -> its CRC, the seed of the prompt's
 
-    def _answer(self, request: Request) -> Completion:
+    def answer(self, request: Request) -> Completion:
+        """The answer ``request`` gets, at once: the same for the same model, prompt and max_tokens."""
         n = request.max_tokens
         if n > self.max_output_tokens:
             n = self.max_output_tokens
@@ -54,8 +56,7 @@ class SimulatedBackend:
                 self._model_crc[model] = seed
         prompt = request.prompt
         variant = zlib.crc32(prompt.encode(), seed) % _VARIANTS
-        # estimate_tokens(prompt), inline: this runs per request
-        return Completion(self._answers[variant][n], (len(prompt) + 3) // 4 or 1, n, model)
+        return Completion(self._answers[variant][n], estimate_tokens(prompt), n, model)
 
     def delay_s(self, request: Request) -> float:
         requested = _requested_latency_ms(request)
@@ -66,29 +67,29 @@ class SimulatedBackend:
 
     def complete_now(self, request: Request) -> Completion | None:
         if self.latency_ms == 0 and self.ms_per_token == 0 and LATENCY_METADATA_KEY not in request.metadata:
-            return self._answer(request)
+            return self.answer(request)
         return None
 
     async def complete(self, request: Request) -> Completion:
         await asyncio.sleep(self.delay_s(request))
-        return self._answer(request)
+        return self.answer(request)
 
     async def stream(self, request: Request):
         """The same answer word by word: the first after ``latency_ms``, each next one
         ``ms_per_token`` later (the whole stream takes what :meth:`complete` takes), then a
         last piece with the finish reason and usage, as the OpenAI backend's streams end."""
-        from pipeline.worker.backends.openai_wire import Chunk, Usage
+        from pipeline.worker.backends.base import Piece, Usage
 
-        answer = self._answer(request)
+        answer = self.answer(request)
         requested = _requested_latency_ms(request)
         words = answer.output.split(" ") if answer.output else []
         first_s = (requested if requested is not None else self.latency_ms) / 1000.0
         gap_s = 0.0 if requested is not None else self.ms_per_token / 1000.0
         for i, word in enumerate(words):
             await asyncio.sleep(first_s + gap_s if i == 0 else gap_s)
-            yield Chunk(i, word if i == 0 else " " + word)
+            yield Piece(i, word if i == 0 else " " + word)
         finish = "length" if answer.completion_tokens == request.max_tokens else "stop"
-        yield Chunk(len(words), "", finish, Usage(answer.prompt_tokens, answer.completion_tokens))
+        yield Piece(len(words), "", finish, Usage(answer.prompt_tokens, answer.completion_tokens))
 
     async def close(self) -> None:
         return None
@@ -109,4 +110,4 @@ def _requested_latency_ms(request: Request) -> float | None:
 
 def expected_output(request: Request, max_output_tokens: int = 16) -> str:
     """What the simulated model answers to ``request`` (for tests and demos)."""
-    return SimulatedBackend(max_output_tokens=max_output_tokens)._answer(request).output
+    return SimulatedBackend(max_output_tokens=max_output_tokens).answer(request).output

@@ -108,8 +108,9 @@ def test_refusals_say_why_and_every_request_is_answered_once(dispatch_settings, 
         time.sleep(1.0)  # the gateway polls cancellations every 0.2 s
         for r in [*limited, empty_tenant, expired, cancelled, duplicate, duplicate]:
             client.submit(r)
-        client._engine.producer.produce(s.topics.request_topic(Priority.NORMAL), b"\xc3\x01garbage", b"acme")
-        client._engine.producer.flush(10)
+        producer = Producer(s.kafka.producer_config())
+        producer.produce(s.topics.request_topic(Priority.NORMAL), b"\xc3\x01garbage", b"acme")
+        producer.flush(10)
         answers = {r.request_id: client.result(r.request_id, timeout=30)
                    for r in [*limited, empty_tenant, expired, cancelled, duplicate]}
         time.sleep(1.5)

@@ -1,7 +1,7 @@
 """A corpus of malformed and hostile request messages, through a real broker and one worker.
 
 Every case is a named message with the outcome the worker actually gives it (read off
-``Worker._handle``, the codec and ``validate_request``):
+``Worker.handle``, the codec and ``validate_request``):
 
 * ``Dlq(reason)``: a dead letter with the original key and bytes, whose
   ``llmq.dlq.reason`` header is ``reason``;

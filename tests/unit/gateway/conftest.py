@@ -9,11 +9,11 @@ import pytest
 
 from pipeline.config import Settings
 from pipeline.config.gateway import RateLimitSettings
-from pipeline.gateway.checkpoint import Checkpoint
+from pipeline.gateway.checkpoint import DecisionCheckpoint
 from pipeline.gateway.completions import Completions
 from pipeline.gateway.intake import Intake
 from pipeline.gateway.partitions import Ownership
-from pipeline.gateway.seen import RecentIds
+from pipeline.gateway.seen import SeenDecisions
 from pipeline.gateway.tenant_states import TenantStates
 from pipeline.models import BANDS, Priority, Request
 from pipeline.observability.metrics import GatewayMetrics
@@ -49,18 +49,19 @@ class FaustProducer:
 
 
 class Outputs:
-    """Records what is sent; ``deliver()`` acknowledges it as the broker would."""
+    """Records what is sent (each :class:`~pipeline.gateway.outputs.Output` with its countdown);
+    ``deliver()`` acknowledges it as the broker would."""
 
     def __init__(self, log):
         self.log = log
         self.sent = []
 
-    def send(self, topic, value, key, done, headers=None):
-        self.log.append(("sent", topic))
-        self.sent.append((topic, value, key, headers, done))
+    def send(self, output, done):
+        self.log.append(("sent", output.topic))
+        self.sent.append((output, done))
 
     def deliver(self):
-        for *_, done in self.sent:
+        for _, done in self.sent:
             done.one()
         self.sent_before, self.sent = self.sent, []
 
@@ -84,9 +85,9 @@ def gw():
     ownership = Ownership(settings.topics.request_partitions)
     ownership.assigned(set(range(settings.topics.request_partitions)))
     tenants = TenantStates(tenants_table)
-    seen = RecentIds(seen_table, ownership, horizon_ms=10_000)
+    seen = SeenDecisions(seen_table, ownership, horizon_ms=10_000)
     outputs = Outputs(log)
-    checkpoint = Checkpoint(FaustProducer(log), tenants, seen, outputs, state_every_s=0.0)
+    checkpoint = DecisionCheckpoint(FaustProducer(log), tenants, seen, outputs, state_every_s=0.0)
     admission = Admission(PriorityPolicy(), RateLimits([RateLimitSettings("s", 60_000, requests=3)]),
                           FairnessQuotas({}, floor=Priority.LOW), QueueModel([0] * len(BANDS)), DegradePolicy())
     metrics = GatewayMetrics()

@@ -18,7 +18,7 @@ def handled(gw, *events):
         gw.intake.handle(event)
     run(gw.checkpoint.round())
     gw.outputs.deliver()
-    return [(topic, value) for topic, value, *_ in gw.outputs.sent_before]
+    return [(output.topic, output.value) for output, _ in gw.outputs.sent_before]
 
 
 def test_outputs_leave_once_the_decision_is_written_and_the_request_is_acked_once_they_are_delivered(gw):
@@ -132,7 +132,7 @@ def test_undecodable_bytes_and_a_bug_are_dead_lettered_and_the_rest_goes_on(gw, 
 
     monkeypatch.setattr(gw.admission, "decide", failing)
     sent = handled(gw, garbage, buggy, fine)
-    dead = [headers for topic, _, _, headers, _ in gw.outputs.sent_before if topic == gw.settings.topics.dlq]
+    dead = [output.headers for output, _ in gw.outputs.sent_before if output.topic == gw.settings.topics.dlq]
     assert [dict(h)[H_REASON] for h in dead] == [b"truncated", b"gateway_error"]
     assert [t for t, _ in sent].count(gw.settings.topics.dispatch_topic(Priority.NORMAL)) == 1
     assert garbage.acked and buggy.acked and fine.acked
@@ -148,8 +148,8 @@ def test_an_id_submitted_again_while_its_first_copy_is_on_its_way_is_dropped(gw)
 def test_an_id_the_gateway_refused_gets_the_same_refusal_again(gw):
     reqs = [Request.new("acme", f"r{i}", timeout_ms=600_000) for i in range(4)]
     handled(gw, *(gw.request_event(r) for r in reqs))
-    [again] = handled(gw, gw.request_event(reqs[3]))
-    answer = gw.codec.decode_response(again[1])
+    [(_, again)] = handled(gw, gw.request_event(reqs[3]))
+    answer = gw.codec.decode_response(again)
     assert answer.status is Status.REJECTED and answer.reason.startswith("rate_limited")
 
 
@@ -195,8 +195,8 @@ def test_a_terminal_answer_frees_the_quota_and_settles_the_tokens_once(gw):
 def test_the_ids_seen_and_what_is_in_flight_come_back_from_the_table(gw):
     req = Request.new("acme", "x", timeout_ms=600_000)
     finished = Request.new("acme", "y", timeout_ms=600_000)
-    sent = handled(gw, gw.request_event(req), gw.request_event(finished))
-    completed(gw, gw.codec.decode_request(sent[1][1]))
+    [_, (_, dispatched)] = handled(gw, gw.request_event(req), gw.request_event(finished))
+    completed(gw, gw.codec.decode_request(dispatched))
     gw.seen.load(now_ms=gw.seen.get(req.request_id).at_ms)
     assert gw.seen.get(req.request_id).in_flight
     assert not gw.seen.get(finished.request_id).in_flight
@@ -242,17 +242,11 @@ def test_the_buckets_run_on_arrival_time_so_a_late_gateway_admits_what_arrived_i
 
 
 def test_a_refusal_goes_to_the_partition_its_client_reads_and_a_partition_it_lacks_to_the_tenants(gw):
-    class Recording(type(gw.outputs)):
-        def send(self, topic, value, key, done, headers=None, partition=None):
-            self.partitions.append((topic, partition))
-            super().send(topic, value, key, done, headers)
-
-    gw.outputs.__class__ = Recording
-    gw.outputs.partitions = []
     reqs = [Request.new("acme", f"r{i}", timeout_ms=600_000, reply_partition=4) for i in range(4)]
     reqs.append(Request.new("acme", "far", timeout_ms=600_000, reply_partition=99))
     handled(gw, *(gw.request_event(r) for r in reqs))
-    answers = [p for topic, p in gw.outputs.partitions if topic == gw.settings.topics.responses]
+    answers = [output.partition for output, _ in gw.outputs.sent_before
+               if output.topic == gw.settings.topics.responses]
     assert answers == [4, None]  # the rate-limited fourth to partition 4; the last: no such partition
 
 

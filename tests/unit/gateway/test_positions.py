@@ -1,9 +1,9 @@
 """After a rebalance no request record is skipped: when the first record of a partition comes past
 the group's committed offset (faust-streaming#221), the records in between are read first."""
 
-from pipeline.gateway.positions import ReadPositions
+from pipeline.gateway.positions import Hole, ReadPositions, RequestPartition
 
-TP = ("llm.requests.critical", 2)
+TP = RequestPartition("llm.requests.critical", 2)
 
 
 def positions(start=4):
@@ -14,7 +14,7 @@ def positions(start=4):
 
 def test_a_stale_record_past_the_commit_asks_for_the_records_in_between_once():
     p = positions()
-    assert p.check(TP, 22) == (4, 22)  # what was left of a batch fetched before the rebalance
+    assert p.check(TP, 22) == Hole(first=4, end=22)  # what was left of a batch fetched before the rebalance
     assert p.check(TP, 23) is None  # the hole is read once; from here Faust's order is taken
     assert p.check(TP, 4) is None  # a refetched record below it: decided again, answered the same
     assert p.holes == 1
@@ -30,13 +30,13 @@ def test_the_first_record_at_the_commit_disarms_the_guard():
 def test_records_below_the_commit_and_partitions_never_assigned_are_handled():
     p = positions()
     assert p.check(TP, 3) is None  # already decided: the intake answers it again
-    assert p.check(TP, 5) == (4, 5)  # still armed until a record at or past the commit
-    assert p.check(("llm.requests.low", 0), 100) is None
+    assert p.check(TP, 5) == Hole(4, 5)  # still armed until a record at or past the commit
+    assert p.check(RequestPartition("llm.requests.low", 0), 100) is None
 
 
 def test_a_new_assignment_starts_over():
     p = positions()
-    assert p.check(TP, 30) == (4, 30)
+    assert p.check(TP, 30) == Hole(4, 30)
     p.assigned([TP])
     assert p.check(TP, 4) is None
 

@@ -45,11 +45,11 @@ def _sent(gw, *reqs):
     asyncio.run(gw.checkpoint.round())
     gw.outputs.deliver()
     out = []
-    for topic, value, *_ in gw.outputs.sent_before:
-        if topic == gw.settings.topics.responses:
-            out.append(("answer", gw.codec.decode_response(value)))
+    for output, _ in gw.outputs.sent_before:
+        if output.topic == gw.settings.topics.responses:
+            out.append(("answer", gw.codec.decode_response(output.value)))
         else:
-            out.append((topic, gw.codec.decode_request(value)))
+            out.append((output.topic, gw.codec.decode_request(output.value)))
     return out
 
 

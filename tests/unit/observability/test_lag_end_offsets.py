@@ -47,14 +47,14 @@ def _reader(monkeypatch, script) -> lag.LagReader:
 def test_a_partition_without_a_leader_yet_is_asked_again(monkeypatch):
     moving = Err(KafkaError.NOT_LEADER_FOR_PARTITION)
     reader = _reader(monkeypatch, [{("t", 0): 3, ("t", 1): moving}, {("t", 1): 6}])
-    assert reader._end_offsets({("t", 0), ("t", 1)}) == {("t", 0): 3, ("t", 1): 6}
+    assert reader.end_offsets({("t", 0), ("t", 1)}) == {("t", 0): 3, ("t", 1): 6}
     assert reader.admin.asked == [[("t", 0), ("t", 1)], [("t", 1)]]  # only the one that failed
 
 
 def test_an_error_that_retrying_cannot_fix_fails_at_once(monkeypatch):
     reader = _reader(monkeypatch, [{("t", 0): Err(KafkaError.TOPIC_AUTHORIZATION_FAILED)}])
     with pytest.raises(KafkaException):
-        reader._end_offsets({("t", 0)})
+        reader.end_offsets({("t", 0)})
     assert len(reader.admin.asked) == 1
 
 
@@ -62,5 +62,5 @@ def test_a_leader_that_stays_away_fails_after_the_last_attempt(monkeypatch):
     moving = Err(KafkaError.LEADER_NOT_AVAILABLE)
     reader = _reader(monkeypatch, [{("t", 0): moving}] * 3)
     with pytest.raises(KafkaException):
-        reader._end_offsets({("t", 0)})
+        reader.end_offsets({("t", 0)})
     assert len(reader.admin.asked) == 3

@@ -117,6 +117,6 @@ def test_assigned_topics_a_group_never_commits_count_as_lag_only_when_they_are_w
                                                       "gw-seen-changelog": 2, "gw-__assignor-__leader": 1})}
     topics = {"llm.requests.high": [0, 1], "llm.responses": [0, 1], "gw-seen-changelog": [0, 1],
               "gw-__assignor-__leader": [0]}
-    lag.LagReader._add_uncommitted(committed, groups, topics, {"llm.requests.high", "llm.responses"})
+    lag.LagReader.add_uncommitted(committed, groups, topics, {"llm.requests.high", "llm.responses"})
     assert committed == {("gw", "llm.requests.high", 0): 5, ("gw", "llm.requests.high", 1): None,
                          ("gw", "llm.responses", 0): None, ("gw", "llm.responses", 1): None}

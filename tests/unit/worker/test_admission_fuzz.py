@@ -1,4 +1,4 @@
-"""Property tests of the worker's admission path (``Worker._handle``), without a broker.
+"""Property tests of the worker's admission path (``Worker.handle``), without a broker.
 
 Whatever the bytes of a request message, the worker must publish exactly one outcome for
 it -- a response on the responses topic or a dead letter (with the original bytes) on the
@@ -107,12 +107,12 @@ class FakeProducer:
         return 0
 
 
-def make_worker(**limits) -> Worker:
+def make_worker(backend=None, **limits) -> Worker:
     s = Settings.load(env={})
     for name, value in {**LIMITS, **limits}.items():
         setattr(s.serde, name, value)
-    worker = Worker(s, SimulatedBackend(), worker_id="fuzz-worker")
-    worker.producer = FakeProducer()
+    worker = Worker(s, backend or SimulatedBackend(), worker_id="fuzz-worker")
+    worker.session.producer = FakeProducer()
     return worker
 
 
@@ -132,15 +132,15 @@ class Harness:
         offset = self.offset
         self.offset += 1
         before = len(producer.sent)
-        worker._handle(FakeMessage(self.topic, 0, offset, value, key, headers))  # must not raise
+        worker.handle(FakeMessage(self.topic, 0, offset, value, key, headers))  # must not raise
         out = producer.sent[before:]
         assert len(out) == 1, f"{len(out)} outcomes for one message"
         out = out[0]
         # The committable position is past this message, and nothing is left in flight.
-        assert worker.tracker.to_commit() == [(self.tp, offset + 1)]
-        worker.tracker.mark_committed([(self.tp, offset + 1)])
-        assert worker.tracker.in_flight(self.tp) == 0
-        assert not worker._tasks
+        assert worker.checkpoint.tracker.to_commit() == [(self.tp, offset + 1)]
+        worker.checkpoint.tracker.mark_committed([(self.tp, offset + 1)])
+        assert worker.checkpoint.tracker.in_flight(self.tp) == 0
+        assert not worker.running
 
         expected_reason = None
         if not value:  # tombstone or zero bytes: one reason for both
@@ -373,8 +373,7 @@ def test_a_response_larger_than_max_record_bytes_is_answered_failed_not_crashing
         def complete_now(self, request):
             return Completion("x" * 20_000, 1, 5_000, request.model)  # over max_record_bytes
 
-    worker = make_worker()
-    worker.backend = RunawayModel()
+    worker = make_worker(RunawayModel())
     h = Harness(worker)
     assert h.handle(h.reference.encode_request(Request.new("t", "tell me everything"))) == ("response", "FAILED")
     response = h.reference.decode_response(worker.producer.sent[-1].value())

@@ -86,7 +86,7 @@ def make_worker(backend, **worker) -> Worker:
     for name, value in worker.items():
         setattr(s.worker, name, value)
     w = Worker(s, backend, worker_id="room-worker")
-    w.producer = FakeProducer()
+    w.session.producer = FakeProducer()
     return w
 
 
@@ -101,7 +101,7 @@ class Feed:
         offset = self.offsets.get((priority, partition), 0)
         self.offsets[(priority, partition)] = offset + 1
         topic = self.worker.settings.topics.request_topic(priority)
-        self.worker._take(FakeMessage(topic, partition, offset, CODEC.encode_request(request), tenant.encode()))
+        self.worker.take(FakeMessage(topic, partition, offset, CODEC.encode_request(request), tenant.encode()))
         return request
 
 
@@ -120,21 +120,21 @@ def test_no_more_calls_start_than_the_servers_have_room_for_and_the_rest_wait_in
         worker = make_worker(backend, max_inflight=64, preempt_bands=[])
         feed = Feed(worker)
         background = [feed.take(Priority.BACKGROUND) for _ in range(5)]
-        assert worker._dispatch() == 2
+        assert worker.dispatch() == 2
         await settle()
         assert backend.calls == [r.request_id for r in background[:2]]
         assert worker.scheduler.queues[Priority.BACKGROUND.rank].size == 3  # waiting here, not at the server
         urgent = feed.take(Priority.CRITICAL)
-        assert worker._dispatch() == 0  # no room, and BACKGROUND is not preemptible here
+        assert worker.dispatch() == 0  # no room, and BACKGROUND is not preemptible here
         backend.finish(background[0].request_id)
         await settle()
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         await settle()
         assert backend.calls[-1] == urgent.request_id  # the freed slot went to the higher band
         for request_id in list(backend.calls):
             backend.finish(request_id)
-        while worker._tasks or worker.scheduler.queues[Priority.BACKGROUND.rank].size:
-            worker._dispatch()
+        while worker.running or worker.scheduler.queues[Priority.BACKGROUND.rank].size:
+            worker.dispatch()
             for request_id in list(backend.calls):
                 backend.finish(request_id)
             await settle()
@@ -153,10 +153,10 @@ def test_max_inflight_still_bounds_a_backend_with_more_room():
         feed = Feed(worker)
         for _ in range(5):
             feed.take(Priority.NORMAL)
-        assert worker._dispatch() == 3
+        assert worker.dispatch() == 3
         await settle()
         assert backend.used == {"a": 3}
-        for task in worker._tasks.values():
+        for task in worker.running.values():
             task.cancel()
         await settle()
         assert backend.used == {"a": 0}
@@ -170,13 +170,13 @@ def test_a_model_without_a_server_is_failed_at_once_without_a_call():
         worker = make_worker(backend)
         feed = Feed(worker)
         lost = feed.take(Priority.HIGH, model="no-such-model")
-        assert worker._dispatch() == 1  # taken, and answered
+        assert worker.dispatch() == 1  # taken, and answered
         await settle()
         (response,) = answers(worker)
         assert response.request_id == lost.request_id and response.status is Status.FAILED
         assert response.reason == "model_unavailable: no server for model no-such-model"
         assert backend.calls == [] and worker.stats.failed == 1
-        assert worker.tracker.to_commit() == [((worker.settings.topics.request_topic(Priority.HIGH), 0), 1)]
+        assert worker.checkpoint.tracker.to_commit() == [((worker.settings.topics.request_topic(Priority.HIGH), 0), 1)]
 
     asyncio.run(run())
 
@@ -187,11 +187,11 @@ def test_a_request_whose_servers_are_full_waits_in_its_queue_while_another_model
         worker = make_worker(backend, preempt_bands=[])
         feed = Feed(worker)
         first = feed.take(Priority.NORMAL, model="big", tenant="t1")
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         await settle()
         blocked = feed.take(Priority.NORMAL, model="big", tenant="t1")
         other = feed.take(Priority.NORMAL, model="small", tenant="t2", partition=1)
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         await settle()
         assert backend.calls == [first.request_id, other.request_id]
         assert worker.scheduler.queues[Priority.NORMAL.rank].size == 1  # still queued here
@@ -202,11 +202,11 @@ def test_a_request_whose_servers_are_full_waits_in_its_queue_while_another_model
         worker.processor.codec = type("Counting", (), {"decode_request": lambda self, v: decoded.append(v) or
                                                        decode(v)})()
         for _ in range(3):
-            assert worker._dispatch() == 0
+            assert worker.dispatch() == 0
         assert decoded == [] and worker.stats.consumed == 2
         backend.finish(first.request_id)
         await settle()
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         await settle()
         assert backend.calls[-1] == blocked.request_id and worker.stats.consumed == 3
         for request_id in (other.request_id, blocked.request_id):
@@ -225,13 +225,13 @@ def test_a_critical_request_preempts_one_background_call_when_the_servers_are_fu
         worker = make_worker(backend, max_inflight=64)
         feed = Feed(worker)
         slow = [feed.take(Priority.BACKGROUND) for _ in range(2)]
-        assert worker._dispatch() == 2
+        assert worker.dispatch() == 2
         await settle()
         urgent = feed.take(Priority.CRITICAL)
-        worker._dispatch()  # one call gives way; its slot is free once its cancellation ran
+        worker.dispatch()  # one call gives way; its slot is free once its cancellation ran
         assert worker.stats.preempted == 1
         await settle()
-        worker._dispatch()
+        worker.dispatch()
         await settle()
         assert backend.cancelled == [slow[1].request_id]  # the latest started, and only that one
         assert backend.calls[-1] == urgent.request_id
@@ -239,7 +239,7 @@ def test_a_critical_request_preempts_one_background_call_when_the_servers_are_fu
         backend.finish(urgent.request_id)
         backend.finish(slow[0].request_id)
         await settle()
-        worker._dispatch()
+        worker.dispatch()
         await settle()
         backend.finish(slow[1].request_id)
         await settle()
@@ -256,19 +256,19 @@ def test_preemption_for_a_full_model_only_cancels_a_call_on_that_models_servers(
         feed = Feed(worker)
         on_a = feed.take(Priority.BACKGROUND, model="big", tenant="t1")
         on_b = feed.take(Priority.BACKGROUND, model="small", tenant="t2")
-        assert worker._dispatch() == 2
+        assert worker.dispatch() == 2
         await settle()
         urgent = feed.take(Priority.CRITICAL, model="big", tenant="t3")
-        worker._dispatch()
+        worker.dispatch()
         await settle()
-        worker._dispatch()
+        worker.dispatch()
         await settle()
         assert backend.cancelled == [on_a.request_id]  # not the later call on the other model's server
         assert backend.calls[-1] == urgent.request_id
         for request_id in (urgent.request_id, on_b.request_id):
             backend.finish(request_id)
         await settle()
-        for task in worker._tasks.values():
+        for task in worker.running.values():
             task.cancel()
         await settle()
 
@@ -281,9 +281,9 @@ def test_a_reserved_slot_is_given_back_when_its_call_is_cancelled_before_it_ran(
         worker = make_worker(backend)
         feed = Feed(worker)
         feed.take(Priority.NORMAL)
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         assert backend.used == {"a": 1}
-        for task in worker._tasks.values():
+        for task in worker.running.values():
             task.cancel()  # before its first step: none of its code runs
         await settle()
         assert backend.used == {"a": 0} and backend.calls == []
@@ -324,20 +324,20 @@ def test_a_lower_band_request_for_a_model_with_room_starts_while_a_higher_one_wa
         worker = make_worker(backend, preempt_bands=[])
         feed = Feed(worker)
         running = feed.take(Priority.NORMAL, model="big", tenant="t1")
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         await settle()
         waiting = feed.take(Priority.CRITICAL, model="big", tenant="t2")
         later = feed.take(Priority.BACKGROUND, model="small", tenant="t3")
-        assert worker._dispatch() == 1  # one free slot, on b: the BACKGROUND request takes it
+        assert worker.dispatch() == 1  # one free slot, on b: the BACKGROUND request takes it
         await settle()
         assert backend.calls == [running.request_id, later.request_id]
         assert worker.scheduler.queues[Priority.CRITICAL.rank].size == 1
         backend.finish(running.request_id)
         await settle()
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         await settle()
         assert backend.calls[-1] == waiting.request_id
-        for task in worker._tasks.values():
+        for task in worker.running.values():
             task.cancel()
         await settle()
 

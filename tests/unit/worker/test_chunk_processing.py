@@ -26,7 +26,7 @@ def make_worker(**worker) -> Worker:
     for name, value in worker.items():
         setattr(s.worker, name, value)
     w = Worker(s, SimulatedBackend(), worker_id="chunk-worker")
-    w.producer = FakeProducer()
+    w.session.producer = FakeProducer()
     return w
 
 
@@ -42,7 +42,7 @@ def _answers(worker) -> list:
 
 def _take_all(worker, msgs) -> None:
     for m in msgs:
-        worker._take(m)
+        worker.take(m)
 
 
 def test_answers_follow_message_order_whatever_their_kind():
@@ -53,7 +53,7 @@ def test_answers_follow_message_order_whatever_their_kind():
     msgs = [_msg(worker, 0, first), _msg(worker, 1, CODEC.encode_request(first)), _msg(worker, 2, expired),
             _msg(worker, 3, b"\x00garbage"), _msg(worker, 4, ok)]
     _take_all(worker, msgs)
-    assert worker._dispatch() == 5
+    assert worker.dispatch() == 5
     responses = [r for topic, r in _answers(worker) if r is not None]
     assert [(r.request_id, r.status) for r in responses] == [
         (first.request_id, Status.COMPLETED),
@@ -64,7 +64,7 @@ def test_answers_follow_message_order_whatever_their_kind():
     sent = [m.value() for m in worker.producer.sent if m.topic() == worker.responses_topic]
     assert sent[0] == sent[1]
     assert [topic for topic, _ in _answers(worker)].count(worker.dlq_topic) == 1
-    assert worker.tracker.to_commit() == [((msgs[0].topic(), 0), 5)]  # every offset finished
+    assert worker.checkpoint.tracker.to_commit() == [((msgs[0].topic(), 0), 5)]  # every offset finished
 
 
 def test_a_chunk_never_starts_more_backend_calls_than_free_slots():
@@ -81,13 +81,13 @@ def test_a_chunk_never_starts_more_backend_calls_than_free_slots():
 
     async def run():
         _take_all(worker, [_msg(worker, i, Request.new("t", f"p{i}", priority=Priority.NORMAL)) for i in range(10)])
-        assert worker._dispatch() == 3
-        assert len(worker._tasks) == 3
-        assert worker._dispatch() == 0  # full: the rest wait in the band's queue
+        assert worker.dispatch() == 3
+        assert len(worker.running) == 3
+        assert worker.dispatch() == 0  # full: the rest wait in the band's queue
         assert worker.scheduler.queues[Priority.NORMAL.rank].size == 7
-        for task in worker._tasks.values():
+        for task in worker.running.values():
             task.cancel()
-        await asyncio.gather(*worker._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*worker.running.values(), return_exceptions=True)
 
     asyncio.run(run())
 
@@ -96,11 +96,11 @@ def test_exactly_once_outcomes_wait_for_the_commit_in_offset_order():
     worker = make_worker(delivery="exactly-once")
     reqs = [Request.new(f"tenant-{i}", "hi", priority=Priority.NORMAL) for i in range(4)]
     _take_all(worker, [_msg(worker, i, r) for i, r in enumerate(reqs)])
-    worker._dispatch()
+    worker.dispatch()
     assert worker.producer.sent == []  # published only inside the commit's transaction
     ready = worker.checkpoint.ready[(worker.settings.topics.request_topic(Priority.NORMAL), 0)]
     assert sorted(ready) == [0, 1, 2, 3]
-    assert [CODEC.decode_response(ready[o][1]).request_id for o in sorted(ready)] == [r.request_id for r in reqs]
+    assert [CODEC.decode_response(ready[o][0].value).request_id for o in sorted(ready)] == [r.request_id for r in reqs]
 
 
 def test_a_backend_that_raises_at_once_fails_only_that_request_in_its_place():
@@ -116,21 +116,21 @@ def test_a_backend_that_raises_at_once_fails_only_that_request_in_its_place():
     reqs = [Request.new("t", p, priority=Priority.NORMAL) for p in ("one", "boom", "three")]
     msgs = [_msg(worker, i, r) for i, r in enumerate(reqs)]
     _take_all(worker, msgs)
-    worker._dispatch()
+    worker.dispatch()
     responses = [r for _, r in _answers(worker)]
     assert [(r.request_id, r.status) for r in responses] == [
         (reqs[0].request_id, Status.COMPLETED), (reqs[1].request_id, Status.FAILED),
         (reqs[2].request_id, Status.COMPLETED)]
     assert responses[1].reason == "backend_error: RuntimeError: simulated bug"
-    assert worker.tracker.to_commit() == [((msgs[0].topic(), 0), 3)]
+    assert worker.checkpoint.tracker.to_commit() == [((msgs[0].topic(), 0), 3)]
 
 
 def test_exactly_once_answers_are_held_even_once_the_producer_was_abandoned():
     # A call that ends after its producer was abandoned in a stuck transactional call: its answer
     # waits for a transaction like any other (the restart drops it), nothing raises.
     worker = make_worker(delivery="exactly-once")
-    worker.producer = None
+    worker.session.producer = None
     req = Request.new("tenant", "late", priority=Priority.NORMAL)
     _take_all(worker, [_msg(worker, 0, req)])
-    worker._dispatch()
+    worker.dispatch()
     assert list(worker.checkpoint.ready[(worker.settings.topics.request_topic(Priority.NORMAL), 0)]) == [0]

@@ -24,7 +24,7 @@ NORMAL = Priority.NORMAL
 def put(worker, request: Request, partition: int, offset: int, band: Priority = NORMAL) -> tuple:
     """``request`` read from ``band``'s topic at ``partition``/``offset``; returns the partition."""
     tp = (worker.settings.topics.request_topic(band), partition)
-    worker._take(FakeMessage(tp[0], partition, offset, CODEC.encode_request(request), request.tenant_id.encode()))
+    worker.take(FakeMessage(tp[0], partition, offset, CODEC.encode_request(request), request.tenant_id.encode()))
     return tp
 
 
@@ -42,19 +42,19 @@ def test_a_copy_arriving_while_the_first_runs_is_dropped_and_its_offset_finishes
         worker = make_worker(max_inflight=4)
         request = Request.new("tenant-a", "once")
         first = put(worker, request, 0, 0)
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         await settle()
         copy = put(worker, request, 1, 0)
-        worker._dispatch()
+        worker.dispatch()
         await settle()
         assert worker.backend.calls == [request.request_id]  # the copy never reached the model
         assert sent(worker) == []  # nor answered REJECTED while the first still runs
-        positions = dict(worker.tracker.to_commit())
+        positions = dict(worker.checkpoint.tracker.to_commit())
         assert positions.get(copy) == 1 and first not in positions
         worker.backend.release(request.request_id)
         await settle()
         assert [CODEC.decode_response(v).status for v in sent(worker)] == [Status.COMPLETED]
-        assert dict(worker.tracker.to_commit()).get(first) == 1
+        assert dict(worker.checkpoint.tracker.to_commit()).get(first) == 1
         assert worker.stats.duplicates == 1
         assert worker.metrics.duplicates.labels("dropped").value == 1
 
@@ -66,16 +66,16 @@ def test_a_copy_arriving_after_the_first_was_answered_gets_the_same_bytes():
         worker = make_worker(max_inflight=4)
         request = Request.new("tenant-a", "once")
         put(worker, request, 0, 0)
-        worker._dispatch()
+        worker.dispatch()
         await settle()
         worker.backend.release(request.request_id)
         await settle()
         copy = put(worker, request, 0, 1)
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         [answer, again] = sent(worker)
         assert again == answer
         assert worker.backend.calls == [request.request_id]
-        assert dict(worker.tracker.to_commit()).get(copy) == 2
+        assert dict(worker.checkpoint.tracker.to_commit()).get(copy) == 2
         assert worker.metrics.duplicates.labels("repeated").value == 1
 
     asyncio.run(run())
@@ -87,38 +87,38 @@ def test_a_copy_arriving_while_the_first_is_preempted_waits_for_its_one_answer()
         backend = worker.backend
         background = Request.new("tenant-a", "slow", priority=Priority.BACKGROUND)
         put(worker, background, 0, 0, Priority.BACKGROUND)
-        worker._dispatch()
+        worker.dispatch()
         await settle()
         urgent = Request.new("tenant-b", "now", priority=Priority.CRITICAL)
         put(worker, urgent, 0, 0, Priority.CRITICAL)
-        assert worker._dispatch() == 1  # the BACKGROUND call gave way, its message queued again
+        assert worker.dispatch() == 1  # the BACKGROUND call gave way, its message queued again
         await settle()
         assert backend.cancelled == [background.request_id]
         # A copy in a higher band (re-admitted elsewhere), taken while the first waits in its queue.
         copy = put(worker, background, 0, 0, Priority.HIGH)
         backend.release(urgent.request_id)
         await settle()
-        assert worker._dispatch() == 2  # the copy, dropped at once; then the first, again
+        assert worker.dispatch() == 2  # the copy, dropped at once; then the first, again
         await settle()
-        assert dict(worker.tracker.to_commit()).get(copy) == 1
+        assert dict(worker.checkpoint.tracker.to_commit()).get(copy) == 1
         backend.release(background.request_id)
         await settle()
         answers = [CODEC.decode_response(v) for v in sent(worker)]
         assert [r.request_id for r in answers] == [urgent.request_id, background.request_id]
         assert backend.calls.count(background.request_id) == 2  # its first run, and its run after preemption
-        assert not worker._tasks
+        assert not worker.running
 
     asyncio.run(run())
 
 
 def test_another_tenants_request_with_a_taken_id_is_refused_not_given_the_first_answer():
     worker = make_worker()
-    worker.backend.complete_now = lambda request: worker.backend._answer(request)
+    worker.backend.complete_now = lambda request: worker.backend.answer(request)
     request = Request.new("tenant-a", "mine")
     put(worker, request, 0, 0)
-    worker._dispatch()
+    worker.dispatch()
     put(worker, dataclasses.replace(request, tenant_id="tenant-b"), 1, 0)
-    worker._dispatch()
+    worker.dispatch()
     first, other = (CODEC.decode_response(v) for v in sent(worker))
     assert first.status is Status.COMPLETED and first.tenant_id == "tenant-a"
     assert other.status is Status.REJECTED and other.tenant_id == "tenant-b" and other.output is None
@@ -128,35 +128,35 @@ def test_another_tenants_request_with_a_taken_id_is_refused_not_given_the_first_
 def test_a_redelivered_request_of_a_lost_partition_is_answered_the_same_again():
     # Answered, but the partition was lost before the commit: it comes back with that offset.
     worker = make_worker()
-    worker.consumer = Assigned()
-    worker.backend.complete_now = lambda request: worker.backend._answer(request)
+    worker.session.consumer = Assigned()
+    worker.backend.complete_now = lambda request: worker.backend.answer(request)
     request = Request.new("tenant-a", "answered before the loss")
     tp = put(worker, request, 0, 0)
-    worker._dispatch()
-    worker._on_lost(worker.consumer, [TopicPartition(*tp)])
+    worker.dispatch()
+    worker.on_lost(worker.consumer, [TopicPartition(*tp)])
     put(worker, request, 0, 0)
-    worker._dispatch()
+    worker.dispatch()
     [answer, again] = sent(worker)
     assert again == answer
-    assert worker.tracker.to_commit() == [(tp, 1)]
+    assert worker.checkpoint.tracker.to_commit() == [(tp, 1)]
 
 
 def test_revoking_one_partition_keeps_the_copies_of_anothers_running_request_out():
     async def run():
         worker = make_worker(max_inflight=4)
-        worker.consumer = Assigned()
+        worker.session.consumer = Assigned()
         request = Request.new("tenant-a", "long")
         put(worker, request, 0, 0)
-        worker._dispatch()
+        worker.dispatch()
         await settle()
         other = worker.settings.topics.request_topic(Priority.LOW)
         worker.session.restart = True  # nothing to commit in this test
-        worker._on_revoke(worker.consumer, [TopicPartition(other, 3)])
+        worker.on_revoke(worker.consumer, [TopicPartition(other, 3)])
         put(worker, request, 1, 0)
-        worker._dispatch()
+        worker.dispatch()
         await settle()
         assert worker.backend.calls == [request.request_id]
-        for task in worker._tasks.values():
+        for task in worker.running.values():
             task.cancel()
         await settle()
 
@@ -165,33 +165,33 @@ def test_revoking_one_partition_keeps_the_copies_of_anothers_running_request_out
 
 def test_exactly_once_a_redelivered_offset_runs_as_new_and_a_resubmitted_id_gets_the_same_bytes():
     worker = make_worker(delivery="exactly-once")
-    worker.consumer = Assigned()
-    worker.backend.complete_now = lambda request: worker.backend._answer(request)
+    worker.session.consumer = Assigned()
+    worker.backend.complete_now = lambda request: worker.backend.answer(request)
     request = Request.new("tenant-a", "in a transaction")
     tp = put(worker, request, 0, 0)
-    worker._dispatch()
+    worker.dispatch()
     assert list(worker.checkpoint.ready[tp]) == [0]
     # revoked before its transaction: the answer is dropped, never published
     worker.session.restart = True
-    worker._on_revoke(worker.consumer, [TopicPartition(*tp)])
+    worker.on_revoke(worker.consumer, [TopicPartition(*tp)])
     worker.session.restart = False
     put(worker, request, 0, 0)  # back, the same offset: not a copy, it runs
-    worker._dispatch()
+    worker.dispatch()
     assert worker.stats.duplicates == 0 and worker.stats.completed == 2
-    answer = worker.checkpoint.ready[tp][0][1]
+    [answer] = worker.checkpoint.ready[tp][0]  # (its one outcome: no receipt)
     other = put(worker, request, 1, 5)  # re-submitted: a copy, given the same bytes
-    worker._dispatch()
-    assert worker.checkpoint.ready[other][5][1] == answer
+    worker.dispatch()
+    assert [o.value for o in worker.checkpoint.ready[other][5]] == [answer.value]
     assert worker.stats.completed == 2 and worker.stats.duplicates == 1
 
 
 def test_a_dedupe_window_of_zero_runs_every_copy():
     worker = make_worker(dedupe_window=0)
-    worker.backend.complete_now = lambda request: worker.backend._answer(request)
+    worker.backend.complete_now = lambda request: worker.backend.answer(request)
     request = Request.new("tenant-a", "twice")
     put(worker, request, 0, 0)
     put(worker, request, 0, 1)
-    worker._dispatch()
+    worker.dispatch()
     assert worker.stats.completed == 2 and worker.stats.duplicates == 0
 
 

@@ -23,13 +23,13 @@ def take(worker: Worker, tenant: str, partition: int, offsets: dict, band: Prior
     request = Request.new(tenant, f"{tenant} prompt", priority=band)
     tp = (worker.settings.topics.request_topic(band), partition)
     offsets[tp] = offset = offsets.get(tp, -1) + 1
-    worker._take(FakeMessage(tp[0], partition, offset, CODEC.encode_request(request),
+    worker.take(FakeMessage(tp[0], partition, offset, CODEC.encode_request(request),
                              tenant.encode() if key == b"" else key))
     return request
 
 
 def stop_all(worker: Worker):
-    for task in worker._tasks.values():
+    for task in worker.running.values():
         task.cancel()
     return settle()
 
@@ -39,7 +39,7 @@ async def flooder_in_every_slot(**worker_settings) -> tuple[Worker, dict, Reques
     worker = make_worker(max_inflight=2, **worker_settings)
     offsets = {}
     first, second = take(worker, "flooder", 1, offsets), take(worker, "flooder", 1, offsets)
-    assert worker._dispatch() == 2
+    assert worker.dispatch() == 2
     await settle()
     return worker, offsets, first, second
 
@@ -49,7 +49,7 @@ def test_a_quiet_tenant_takes_the_slot_of_a_tenant_holding_every_slot_and_the_ca
         worker, offsets, first, second = await flooder_in_every_slot()
         backend = worker.backend
         quiet = take(worker, "quiet", 2, offsets)
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         await settle()
         assert backend.cancelled == [second.request_id]  # the flooder's latest call
         assert backend.calls[-1] == quiet.request_id
@@ -59,7 +59,7 @@ def test_a_quiet_tenant_takes_the_slot_of_a_tenant_holding_every_slot_and_the_ca
         assert worker.scheduler.queues[NORMAL.rank].size == 1
         backend.release(quiet.request_id)
         await settle()
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         await settle()
         assert backend.calls[-1] == second.request_id
         backend.release(first.request_id)
@@ -69,8 +69,8 @@ def test_a_quiet_tenant_takes_the_slot_of_a_tenant_holding_every_slot_and_the_ca
         assert sorted(r.request_id for r in got) == sorted([first.request_id, second.request_id, quiet.request_id])
         assert all(r.status is Status.COMPLETED for r in got)  # one answer each
         flooder_tp = (worker.settings.topics.request_topic(NORMAL), 1)
-        assert dict(worker.tracker.to_commit()).get(flooder_tp) == 2
-        assert not worker._tasks and not worker.scheduler.by_tenant and not worker.scheduler.tenant_of_call
+        assert dict(worker.checkpoint.tracker.to_commit()).get(flooder_tp) == 2
+        assert not worker.running and not worker.scheduler.by_tenant and not worker.scheduler.tenant_of_call
         assert worker.scheduler.crowded == 0
 
     asyncio.run(run())
@@ -82,7 +82,7 @@ def test_the_preempted_call_does_not_jump_ahead_of_the_request_it_made_way_for()
     async def run():
         worker, offsets, _, _ = await flooder_in_every_slot()
         quiet = take(worker, "quiet", 2, offsets)
-        worker._dispatch()
+        worker.dispatch()
         await settle()
         assert worker.backend.calls[-1] == quiet.request_id
         assert worker.scheduler.crowded == 0  # the flooder runs one call now, the quiet tenant one
@@ -97,11 +97,11 @@ def _nothing_preempted(worker: Worker, running: list[tuple[str, int]], waiting: 
         offsets = {}
         for tenant, partition in running:
             take(worker, tenant, partition, offsets, key=key)
-        assert worker._dispatch() == len(running)
+        assert worker.dispatch() == len(running)
         await settle()
         for tenant, partition in waiting:
             take(worker, tenant, partition, offsets, key=key)
-        assert worker._dispatch() == 0
+        assert worker.dispatch() == 0
         assert worker.backend.cancelled == [] and worker.stats.preempted == 0
         await stop_all(worker)
 
@@ -136,7 +136,7 @@ def test_fairness_never_preempts_across_bands():
     async def run():
         worker, offsets, _, _ = await flooder_in_every_slot()
         take(worker, "quiet", 2, offsets, band=Priority.LOW)
-        assert worker._dispatch() == 0 and worker.stats.preempted == 0
+        assert worker.dispatch() == 0 and worker.stats.preempted == 0
         await stop_all(worker)
 
     asyncio.run(run())
@@ -147,15 +147,15 @@ def test_a_request_is_preempted_for_fairness_at_most_max_preemptions_times():
         worker, offsets, first, victim = await flooder_in_every_slot(max_preemptions=1)
         backend = worker.backend
         quiet = take(worker, "quiet", 2, offsets)
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         await settle()
         backend.release(quiet.request_id)
         await settle()
-        assert worker._dispatch() == 1  # the victim runs again
+        assert worker.dispatch() == 1  # the victim runs again
         await settle()
         assert backend.calls[-1] == victim.request_id
         take(worker, "other", 3, offsets)
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         await settle()
         # Preempted once already, the latest-started call keeps its slot: the older one gives way.
         assert backend.cancelled == [victim.request_id, first.request_id]

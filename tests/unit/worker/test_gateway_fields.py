@@ -37,7 +37,7 @@ def _run(worker, req: Request | bytes, offset: int = 0) -> Response:
     topic = worker.settings.topics.request_topic(Priority.LOW)
     value = req if isinstance(req, bytes) else Codec.default().encode_request(req)
     before = len(worker.producer.sent)
-    worker._handle(FakeMessage(topic, 0, offset, value, b"tenant-gw"))
+    worker.handle(FakeMessage(topic, 0, offset, value, b"tenant-gw"))
     out = worker.producer.sent[before:]
     assert len(out) == 1 and out[0].topic() == worker.responses_topic
     return worker.codec.decode_response(out[0].value())
@@ -108,7 +108,7 @@ def test_cancelled_carries_the_gateway_fields():
             return "changed my mind"
 
     worker = make_worker()
-    worker.cancellations = Cancelled()
+    worker.session.cancellations = Cancelled()
     resp = _run(worker, _gateway_request())
     assert resp.status is Status.CANCELLED
     _assert_gateway_fields(resp)
@@ -123,14 +123,13 @@ def test_failed_carries_the_gateway_fields(error):
         async def complete(self, request):
             raise error
 
-    worker = make_worker()
-    worker.backend = Broken()
+    worker = make_worker(Broken())
 
     async def scenario() -> Response:
         before = len(worker.producer.sent)
         topic = worker.settings.topics.request_topic(Priority.LOW)
-        worker._handle(FakeMessage(topic, 0, 0, Codec.default().encode_request(_gateway_request()), b"k"))
-        await asyncio.gather(*worker._tasks.values())
+        worker.handle(FakeMessage(topic, 0, 0, Codec.default().encode_request(_gateway_request()), b"k"))
+        await asyncio.gather(*worker.running.values())
         (out,) = worker.producer.sent[before:]
         return worker.codec.decode_response(out.value())
 
@@ -145,8 +144,7 @@ def test_the_too_large_fallback_keeps_the_gateway_fields():
         def complete_now(self, request):
             return Completion("x" * 20_000, 1, 5_000, request.model)  # over max_record_bytes
 
-    worker = make_worker()
-    worker.backend = Runaway()
+    worker = make_worker(Runaway())
     resp = _run(worker, _gateway_request())
     assert resp.status is Status.FAILED and resp.reason.startswith("response_too_large")
     _assert_gateway_fields(resp)
@@ -158,7 +156,7 @@ def test_completed_response_has_every_field_in_place():
     worker = make_worker()
     req = _gateway_request(metadata={"ignored": "by the worker"})
     resp = _run(worker, req)
-    answer = SimulatedBackend()._answer(req)
+    answer = SimulatedBackend().answer(req)
     assert resp == Response(
         request_id=req.request_id, tenant_id=req.tenant_id, status=Status.COMPLETED, reason=None,
         output=answer.output, prompt_tokens=answer.prompt_tokens, completion_tokens=answer.completion_tokens,

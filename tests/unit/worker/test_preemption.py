@@ -43,7 +43,7 @@ class GatedBackend(SimulatedBackend):
         except asyncio.CancelledError:
             self.cancelled.append(request.request_id)
             raise
-        return self._answer(request)
+        return self.answer(request)
 
     def release(self, request_id: str) -> None:
         self.gates.setdefault(request_id, asyncio.Event()).set()
@@ -54,7 +54,7 @@ def make_worker(env: dict | None = None, **worker) -> Worker:
     for name, value in worker.items():
         setattr(s.worker, name, value)
     w = Worker(s, GatedBackend(), worker_id="preempt-worker")
-    w.producer = FakeProducer()
+    w.session.producer = FakeProducer()
     return w
 
 
@@ -68,7 +68,7 @@ class Feed:
         offset = self.offsets.get(priority, 0)
         self.offsets[priority] = offset + 1
         topic = self.worker.settings.topics.request_topic(priority)
-        self.worker._take(FakeMessage(topic, 0, offset, CODEC.encode_request(request), tenant.encode()))
+        self.worker.take(FakeMessage(topic, 0, offset, CODEC.encode_request(request), tenant.encode()))
         return request
 
 
@@ -89,15 +89,15 @@ def assert_nothing_preempted(worker: Worker, running: list[Priority], waiting: l
         feed = Feed(worker)
         for band in running:
             feed.take(band)
-        assert worker._dispatch() == len(running)
+        assert worker.dispatch() == len(running)
         await settle()
         if preemptible_running is not None:
             assert len(worker.scheduler.victims) == preemptible_running
         for band in waiting:
             feed.take(band)
-        assert worker._dispatch() == 0
+        assert worker.dispatch() == 0
         assert worker.backend.cancelled == [] and worker.stats.preempted == 0
-        for task in worker._tasks.values():
+        for task in worker.running.values():
             task.cancel()
         await settle()
 
@@ -109,10 +109,10 @@ def test_a_critical_request_takes_the_slot_of_the_latest_background_call_which_r
         worker = make_worker(max_inflight=2)
         backend, feed = worker.backend, Feed(worker)
         first, second = feed.take(Priority.BACKGROUND), feed.take(Priority.BACKGROUND)
-        assert worker._dispatch() == 2
+        assert worker.dispatch() == 2
         await settle()
         urgent = feed.take(Priority.CRITICAL)
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         await settle()
         # The most recently started call gave way; the older one keeps running.
         assert backend.cancelled == [second.request_id]
@@ -125,16 +125,16 @@ def test_a_critical_request_takes_the_slot_of_the_latest_background_call_which_r
         backend.release(urgent.request_id)
         backend.release(first.request_id)
         await settle()
-        assert dict(worker.tracker.to_commit()).get(background_tp) == 1
-        assert worker._dispatch() == 1  # a slot is free: the preempted request runs again
+        assert dict(worker.checkpoint.tracker.to_commit()).get(background_tp) == 1
+        assert worker.dispatch() == 1  # a slot is free: the preempted request runs again
         await settle()
         backend.release(second.request_id)
         await settle()
         got = answers(worker)
         assert [r.request_id for r in got] == [urgent.request_id, first.request_id, second.request_id]
         assert all(r.status == Status.COMPLETED for r in got)  # one answer each, no duplicate rejection
-        assert dict(worker.tracker.to_commit()).get(background_tp) == 2
-        assert not worker._tasks and not worker.scheduler.victims and not worker.scheduler.preempt_counts
+        assert dict(worker.checkpoint.tracker.to_commit()).get(background_tp) == 2
+        assert not worker.running and not worker.scheduler.victims and not worker.scheduler.preempt_counts
         assert worker.stats.consumed == 3
         waits = worker.metrics.queue_wait.labels("BACKGROUND")
         assert sum(waits.counts) == 2  # the preempted request's wait observed once, at its first start
@@ -158,10 +158,10 @@ def test_a_request_is_preempted_at_most_max_preemptions_times():
         backend, feed = worker.backend, Feed(worker)
         victim = feed.take(Priority.BACKGROUND)
         for round_ in range(3):
-            assert worker._dispatch() == 1  # the BACKGROUND request (again)
+            assert worker.dispatch() == 1  # the BACKGROUND request (again)
             await settle()
             urgent = feed.take(Priority.HIGH)
-            started = worker._dispatch()
+            started = worker.dispatch()
             await settle()
             if round_ < 2:
                 assert started == 1 and backend.cancelled.count(victim.request_id) == round_ + 1
@@ -171,7 +171,7 @@ def test_a_request_is_preempted_at_most_max_preemptions_times():
                 assert started == 0 and backend.cancelled.count(victim.request_id) == 2
         backend.release(victim.request_id)
         await settle()
-        worker._dispatch()
+        worker.dispatch()
         await settle()
         backend.release(urgent.request_id)
         await settle()
@@ -208,12 +208,12 @@ def test_revoking_a_partition_forgets_its_preemptible_calls():
         worker = make_worker(max_inflight=2)
         feed = Feed(worker)
         feed.take(Priority.BACKGROUND)
-        worker._dispatch()
+        worker.dispatch()
         await settle()
         assert worker.scheduler.victims
         worker.scheduler.drop({(worker.settings.topics.request_topic(Priority.BACKGROUND), 0)})
         assert not worker.scheduler.victims
-        for task in worker._tasks.values():
+        for task in worker.running.values():
             task.cancel()
         await settle()
 
@@ -264,6 +264,6 @@ def test_a_message_waits_in_the_band_of_its_topic_whichever_the_source(source):
 def test_a_dead_letter_is_counted_under_its_topics_band_dispatch_topics_too():
     worker = make_worker(source="dispatch")
     topic = worker.settings.topics.dispatch_topic(Priority.HIGH)
-    worker._handle(FakeMessage(topic, 0, 0, b"\x00not a request"))
+    worker.handle(FakeMessage(topic, 0, 0, b"\x00not a request"))
     assert worker.metrics.requests.labels("HIGH", "dead_lettered").value == 1
     assert worker.producer.sent[-1].topic() == worker.dlq_topic

@@ -33,7 +33,7 @@ def _worker(**worker_settings):
     for k, v in worker_settings.items():
         setattr(settings.worker, k, v)
     worker = Worker(settings, SimulatedBackend(), worker_id="pause-test")
-    worker.consumer = RememberingConsumer()
+    worker.session.consumer = RememberingConsumer()
     return worker
 
 
@@ -68,14 +68,14 @@ def test_exactly_once_outcomes_of_a_lost_or_revoked_partition_are_dropped_not_pu
     topic = worker.settings.topics.request_topic(Priority.NORMAL)
     lost, revoked = (topic, 0), (topic, 1)
     for tp in (lost, revoked):
-        worker.tracker.started(tp, 10)
-        worker.tracker.started(tp, 11)
+        worker.checkpoint.tracker.started(tp, 10)
+        worker.checkpoint.tracker.started(tp, 11)
         # offset 11 finished before 10: held back, not yet in any transaction
         worker.responder.emit(tp, 11, worker.responses_topic, b"answer", b"tenant", None)
     assert set(worker.checkpoint.ready) == {lost, revoked}
-    worker._on_lost(worker.consumer, [TopicPartition(*lost)])
+    worker.on_lost(worker.consumer, [TopicPartition(*lost)])
     worker.session.restart = True  # no transaction in this test: the revoke path commits nothing
-    worker._on_revoke(worker.consumer, [TopicPartition(*revoked)])
+    worker.on_revoke(worker.consumer, [TopicPartition(*revoked)])
     assert worker.checkpoint.ready == {}
 
 
@@ -99,7 +99,7 @@ class FakeMessage:
 def _take_a_deep_fetch(worker, topic):
     worker.consumer.assigned = [TopicPartition(topic, 0)]
     for offset in range(worker.scheduler.cap + 10):
-        worker._take(FakeMessage(topic, 0, offset))
+        worker.take(FakeMessage(topic, 0, offset))
     return worker.scheduler.queues[Priority.BACKGROUND.rank]
 
 
@@ -137,21 +137,21 @@ def test_a_lost_partition_that_comes_back_runs_its_uncommitted_requests_again():
 
     async def run():
         worker = make_worker(max_inflight=2)
-        worker.consumer = RememberingConsumer()
+        worker.session.consumer = RememberingConsumer()
         feed = Feed(worker)
         request = feed.take(Priority.NORMAL)
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         await settle()
         tp = (worker.settings.topics.request_topic(Priority.NORMAL), 0)
-        worker._on_lost(worker.consumer, [TopicPartition(*tp)])
+        worker.on_lost(worker.consumer, [TopicPartition(*tp)])
         await settle()
-        assert not worker._tasks and answers(worker) == []  # handed back, uncommitted
+        assert not worker.running and answers(worker) == []  # handed back, uncommitted
         # assigned again: the same message is read again
-        worker._take(Message(tp[0], 0, 0, CODEC.encode_request(request), request.tenant_id.encode()))
-        assert worker._dispatch() == 1
+        worker.take(Message(tp[0], 0, 0, CODEC.encode_request(request), request.tenant_id.encode()))
+        assert worker.dispatch() == 1
         worker.backend.release(request.request_id)
         await settle()
         assert [(r.request_id, r.status) for r in answers(worker)] == [(request.request_id, Status.COMPLETED)]
-        assert worker.tracker.to_commit() == [(tp, 1)]
+        assert worker.checkpoint.tracker.to_commit() == [(tp, 1)]
 
     asyncio.run(run())

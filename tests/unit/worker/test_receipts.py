@@ -11,7 +11,7 @@ import dataclasses
 from pipeline.config import Settings
 from pipeline.models import Request, Status, now_ms
 from pipeline.partitioning import tenant_partition
-from tests.unit.worker.test_streaming import CODEC, MetadataProducer, make_worker, sent, take, until
+from tests.unit.worker.test_chunk_publisher import CODEC, MetadataProducer, make_worker, sent, take, until
 
 S = Settings.load(env={})
 REPLY_TO = f"{S.topics.prefix}.replies.frontend-1"
@@ -27,7 +27,7 @@ def run(*requests, producer=None):
         worker = make_worker(producer=producer or MetadataProducer(TOPICS))
         for offset, request in enumerate(requests):
             take(worker, request, offset)
-        worker._dispatch()
+        worker.dispatch()
         await until(lambda: worker.stats.completed == len(requests))
         return worker
 
@@ -81,11 +81,11 @@ def test_the_offset_finishes_once_the_answer_and_then_its_receipt_are_acknowledg
     request = admitted(Request.new("t", "a", max_tokens=2, reply_to=REPLY_TO))
     worker = run(request, producer=producer)
     tp = (S.topics.request_topic(request.priority), 0)
-    assert sent(worker, S.topics.receipts) == [] and tp not in dict(worker.tracker.to_commit())
+    assert sent(worker, S.topics.receipts) == [] and tp not in dict(worker.checkpoint.tracker.to_commit())
     producer.acknowledge()  # the answer
-    assert len(sent(worker, S.topics.receipts)) == 1 and tp not in dict(worker.tracker.to_commit())
+    assert len(sent(worker, S.topics.receipts)) == 1 and tp not in dict(worker.checkpoint.tracker.to_commit())
     producer.acknowledge()  # its receipt
-    assert dict(worker.tracker.to_commit())[tp] == 1
+    assert dict(worker.checkpoint.tracker.to_commit())[tp] == 1
 
 
 def test_exactly_once_the_receipt_waits_in_the_same_transaction_as_its_answer():
@@ -96,7 +96,7 @@ def test_exactly_once_the_receipt_waits_in_the_same_transaction_as_its_answer():
     async def go():
         w = make_worker(producer=MetadataProducer(TOPICS), delivery="exactly-once")
         take(w, request)
-        w._dispatch()
+        w.dispatch()
         await until(lambda: w.stats.completed == 1)
         return w
 

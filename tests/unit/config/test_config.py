@@ -73,7 +73,7 @@ def test_missing_config_file_is_a_clear_error(tmp_path):
 def test_example_config_in_deploy_is_valid():
     from pathlib import Path
 
-    example = Path(__file__).resolve().parents[2] / "deploy" / "llmq.toml"
+    example = Path(__file__).resolve().parents[3] / "deploy" / "llmq.toml"
     Settings.load(example, env={})
 
 
@@ -91,7 +91,7 @@ def test_pools_pick_their_bands_and_their_own_group():
 def test_the_example_file_documents_every_gateway_default():
     from pathlib import Path
 
-    example = Settings.load(Path(__file__).resolve().parents[2] / "deploy" / "llmq.toml", env={})
+    example = Settings.load(Path(__file__).resolve().parents[3] / "deploy" / "llmq.toml", env={})
     assert example.gateway == Settings.load(env={}).gateway
 
 

@@ -42,7 +42,7 @@ def test_the_worker_stops_with_an_error_once_too_many_producers_are_abandoned(mo
     settings.worker.delivery = "exactly-once"
     worker = loop.Worker(settings, SimulatedBackend(), worker_id="stuck-txn")
     for n in range(1, checkpoint.MAX_ABANDONED_PRODUCERS + 1):
-        worker.producer = object()  # stands in for a producer stuck in send_offsets_to_transaction
+        worker.session.producer = object()  # stands in for a producer stuck in send_offsets_to_transaction
         worker.checkpoint.abandon_producer("the transaction commit")
         assert worker.producer is None and worker.session.restart
         assert (worker.session.fatal is None) == (n < checkpoint.MAX_ABANDONED_PRODUCERS)

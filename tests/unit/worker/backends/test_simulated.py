@@ -11,7 +11,7 @@ from pipeline.worker.backends.simulated import (LATENCY_METADATA_KEY, MAX_REQUES
 
 def test_answers_depend_only_on_the_request():
     req = Request.new("t", "hello", max_tokens=4)
-    assert SimulatedBackend()._answer(req).output == expected_output(req)
+    assert SimulatedBackend().answer(req).output == expected_output(req)
     assert len(expected_output(req).split()) == 4
 
 

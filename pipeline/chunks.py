@@ -36,12 +36,12 @@ MAX_AHEAD = 4096
 MAX_REQUESTS = 10_000
 
 
-def chunk_partition(settings: Settings, tenant_id: str, reply_partition: int | None = None) -> int:
-    """The chunks topic's partition a worker publishes a request's chunks to."""
-    count = settings.topics.chunk_partitions
-    if reply_partition is not None and 0 <= reply_partition < count:
+def chunk_partition(partitions: int, tenant_id: str, reply_partition: int | None = None) -> int:
+    """The partition of the chunks topic (of ``partitions``) a request's chunks go to: its
+    ``reply_partition`` when it names one that exists, else its tenant's."""
+    if reply_partition is not None and 0 <= reply_partition < partitions:
         return reply_partition
-    return tenant_partition(tenant_id.encode(), count)
+    return tenant_partition(tenant_id.encode(), partitions)
 
 
 class ChunkOrder:

@@ -14,8 +14,8 @@ from pipeline.config import Settings
 from pipeline.models import Priority, Request, Status
 from pipeline.serde import Codec
 from pipeline.testing import FakeMessage
-from pipeline.worker.backends.openai_wire import Chunk as Piece
-from pipeline.worker.backends.openai_wire import Usage
+from pipeline.partitioning import ANY_PARTITION
+from pipeline.worker.backends.base import Piece, Usage
 from pipeline.worker.backends.simulated import SimulatedBackend
 from pipeline.worker.loop import Worker
 from pipeline.partitioning import tenant_partition
@@ -54,13 +54,13 @@ def make_worker(backend=None, producer=None, **worker) -> Worker:
     for name, value in worker.items():
         setattr(s.worker, name, value)
     w = Worker(s, backend or SimulatedBackend(latency_ms=5, ms_per_token=2), worker_id="stream-worker")
-    w.producer = producer or FakeProducer()
+    w.session.producer = producer or FakeProducer()
     return w
 
 
 def take(worker: Worker, request: Request, offset: int = 0) -> None:
     topic = worker.settings.topics.request_topic(request.priority)
-    worker._take(FakeMessage(topic, 0, offset, CODEC.encode_request(request), request.tenant_id.encode()))
+    worker.take(FakeMessage(topic, 0, offset, CODEC.encode_request(request), request.tenant_id.encode()))
 
 
 def sent(worker: Worker, topic: str) -> list:
@@ -80,7 +80,7 @@ def test_a_streamed_request_publishes_its_pieces_in_order_then_one_answer_with_t
         worker = make_worker()
         request = Request.new("tenant-s", "tell me", priority=Priority.HIGH, max_tokens=6, stream=True)
         take(worker, request)
-        assert worker._dispatch() == 1
+        assert worker.dispatch() == 1
         await until(lambda: sent(worker, worker.responses_topic))
         return worker, request
 
@@ -97,7 +97,7 @@ def test_a_streamed_request_publishes_its_pieces_in_order_then_one_answer_with_t
     (msg,) = sent(worker, worker.responses_topic)
     response = CODEC.decode_response(msg.value())
     assert response.status is Status.COMPLETED and response.output == "".join(c.delta for c in chunks)
-    assert response.output == SimulatedBackend(max_output_tokens=16)._answer(request).output
+    assert response.output == SimulatedBackend(max_output_tokens=16).answer(request).output
     assert response.completion_tokens == 6 and response.finish_reason == "length" and not response.usage_estimated
     assert worker.metrics.ttft.labels("HIGH").counts[-1] == 0 and sum(worker.metrics.ttft.labels("HIGH").counts) == 1
     assert sum(worker.metrics.inter_token.labels("HIGH").counts) == 5
@@ -107,7 +107,7 @@ def test_a_request_that_is_not_streamed_publishes_no_chunk_and_says_why_it_ended
     async def run():
         worker = make_worker()
         take(worker, Request.new("t", "hello", max_tokens=3))
-        worker._dispatch()
+        worker.dispatch()
         await until(lambda: sent(worker, worker.responses_topic))
         return worker
 
@@ -123,7 +123,7 @@ def test_chunks_and_the_answer_go_to_the_reply_partition_and_the_answer_to_the_r
         worker = make_worker(producer=producer)
         request = Request.new("t", "hello", max_tokens=3, stream=True, reply_to=reply_to, reply_partition=3)
         take(worker, request)
-        worker._dispatch()
+        worker.dispatch()
         await until(lambda: sent(worker, reply_to))
         return worker, reply_to
 
@@ -143,7 +143,7 @@ def test_a_reply_destination_that_does_not_exist_falls_back_to_the_responses_top
         outside = Request.new("t", "c", max_tokens=2, reply_to="other.replies")  # refused by validation
         for offset, r in enumerate((missing, too_far, outside)):
             take(worker, r, offset)
-        worker._dispatch()
+        worker.dispatch()
         await until(lambda: len(sent(worker, worker.responses_topic)) == 3)
         return worker, missing, too_far, outside
 
@@ -157,7 +157,7 @@ def test_a_reply_destination_that_does_not_exist_falls_back_to_the_responses_top
     # Past the chunk topic's partitions: the tenant's partition instead.
     assert {m.partition() for m in sent(worker, worker.settings.topics.chunks)} == {
         tenant_partition(b"t", worker.settings.topics.chunk_partitions)}
-    assert worker.tracker.to_commit()[0][1] == 3
+    assert worker.checkpoint.tracker.to_commit()[0][1] == 3
 
 
 class EndlessBackend:
@@ -194,9 +194,9 @@ def test_cancelling_a_stream_closes_the_backends_stream_and_answers_cancelled():
         worker = make_worker(backend)
         request = Request.new("t", "go on", max_tokens=10_000, stream=True)
         take(worker, request)
-        worker._dispatch()
+        worker.dispatch()
         await until(lambda: backend.pieces >= 5)
-        worker.cancellations = type("View", (), {"reason": lambda self, rid: "user closed the tab"})()
+        worker.session.cancellations = type("View", (), {"reason": lambda self, rid: "user closed the tab"})()
         worker.processor.cancel(request.request_id)
         await asyncio.wait_for(backend.closed.wait(), 5)
         await until(lambda: sent(worker, worker.responses_topic))
@@ -215,13 +215,13 @@ def test_a_stream_whose_first_tokens_are_out_is_not_preempted():
         worker = make_worker(backend, max_inflight=1)
         slow = Request.new("bulk", "go on", priority=Priority.BACKGROUND, max_tokens=10_000, stream=True)
         take(worker, slow)
-        worker._dispatch()
+        worker.dispatch()
         await until(lambda: backend.pieces >= 2)
         urgent = Request.new("urgent", "now", priority=Priority.CRITICAL, max_tokens=2)
         take(worker, urgent)
-        assert worker._dispatch() == 0  # waits: cancelling the stream would send its text again
+        assert worker.dispatch() == 0  # waits: cancelling the stream would send its text again
         assert worker.stats.preempted == 0
-        for task in worker._tasks.values():
+        for task in worker.running.values():
             task.cancel()
         await asyncio.sleep(0.01)
 
@@ -240,7 +240,7 @@ def test_the_closing_pieces_text_is_the_last_chunk_and_estimated_usage_is_said_s
     async def run():
         worker = make_worker(FinalTextBackend())
         take(worker, Request.new("t", "hi", max_tokens=5, stream=True))
-        worker._dispatch()
+        worker.dispatch()
         await until(lambda: sent(worker, worker.responses_topic))
         return worker
 
@@ -256,11 +256,11 @@ def test_exactly_once_chunks_leave_at_once_outside_the_transaction():
         worker = make_worker(delivery="exactly-once")
         worker.session.chunk_producer = chunk_producer = FakeProducer()
         take(worker, Request.new("t", "hi", max_tokens=3, stream=True))
-        worker._dispatch()
+        worker.dispatch()
         await until(lambda: worker.checkpoint.ready)
         return worker, chunk_producer
 
     worker, chunk_producer = asyncio.run(run())
     assert len(chunk_producer.sent) == 4 and worker.producer.sent == []  # the answer waits for its transaction
-    ((topic, _, _, _, partition),) = [o for part in worker.checkpoint.ready.values() for o in part.values()]
-    assert topic == worker.responses_topic and partition == -1
+    (answer,) = [o for part in worker.checkpoint.ready.values() for held in part.values() for o in held]
+    assert answer.topic == worker.responses_topic and answer.partition is ANY_PARTITION

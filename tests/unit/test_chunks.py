@@ -1,11 +1,11 @@
-"""pipeline.streams.ChunkOrder: a request's chunks in seq order, repeats dropped (what a
+"""pipeline.chunks.ChunkOrder: a request's chunks in seq order, repeats dropped (what a
 client's reader needs from the best-effort chunk stream)."""
 
 from __future__ import annotations
 
 from pipeline.config import Settings
 from pipeline.models import Chunk
-from pipeline.streams import ChunkOrder, chunk_partition
+from pipeline.chunks import ChunkOrder, chunk_partition
 from pipeline.partitioning import tenant_partition
 
 
@@ -50,6 +50,6 @@ def test_nothing_after_the_finishing_chunk():
 def test_the_reader_and_the_worker_agree_on_the_partition():
     s = Settings.load(env={})
     n = s.topics.chunk_partitions
-    assert chunk_partition(s, "tenant-a") == tenant_partition(b"tenant-a", n)
-    assert chunk_partition(s, "tenant-a", 2) == 2
-    assert chunk_partition(s, "tenant-a", n) == tenant_partition(b"tenant-a", n)  # out of range: the tenant's
+    assert chunk_partition(n, "tenant-a") == tenant_partition(b"tenant-a", n)
+    assert chunk_partition(n, "tenant-a", 2) == 2
+    assert chunk_partition(n, "tenant-a", n) == tenant_partition(b"tenant-a", n)  # out of range: the tenant's

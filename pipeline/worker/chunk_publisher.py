@@ -7,7 +7,7 @@ one (else the tenant's partition, as responses are partitioned), so a client rea
 partition for both. They are not retried and do not hold commits back: the request's one
 terminal response, with the whole text, is what finishes its offset. A request run again
 (a crash before its answer was committed, a partition moved) streams again from seq 0, so
-a reader drops what it has seen by seq (pipeline/streams.py).
+a reader drops what it has seen by seq (pipeline/chunks.py).
 
 Exactly-once, answers go out in the transaction that commits their offsets, once per commit
 interval; chunks cannot wait for it. They are produced outside any transaction, by a producer
@@ -28,7 +28,7 @@ from pipeline.config import Settings
 from pipeline.errors import EncodeError
 from pipeline.models import Chunk, Request
 from pipeline.observability.metrics import WorkerMetrics
-from pipeline.partitioning import tenant_partition
+from pipeline.chunks import chunk_partition
 from pipeline.serde import Codec
 from pipeline.worker.backends.base import Completion
 from pipeline.worker.state import Session
@@ -48,7 +48,6 @@ class ChunkPublisher:
         self.exactly_once = exactly_once
         self.published = 0
         self.lost = 0  # refused locally or not acknowledged: best effort, not retried
-        self._partition_of: dict[bytes, int] = {}
 
     def producer(self):
         """At-least-once, the worker's producer; exactly-once, a plain one of its own."""
@@ -61,16 +60,7 @@ class ChunkPublisher:
         return session.chunk_producer
 
     def partition(self, request: Request) -> int:
-        wanted = request.reply_partition
-        if wanted is not None and 0 <= wanted < self.partitions:
-            return wanted
-        key = request.tenant_id.encode()
-        found = self._partition_of.get(key)
-        if found is None:
-            found = tenant_partition(key, self.partitions)
-            if len(self._partition_of) < 100_000:
-                self._partition_of[key] = found
-        return found
+        return chunk_partition(self.partitions, request.tenant_id, request.reply_partition)
 
     def publish(self, request: Request, partition: int, seq: int, delta: str, finish_reason: str | None) -> None:
         chunk = Chunk(request_id=request.request_id, tenant_id=request.tenant_id, seq=seq, delta=delta,
@@ -120,7 +110,7 @@ async def stream_completion(backend, request: Request, slot, publisher: ChunkPub
     this closes the backend's stream (and with it the HTTP response: the server stops)."""
     stream = backend.stream(request) if slot is None else backend.stream(request, slot)
     partition = publisher.partition(request)
-    band = (request.effective_priority or request.priority)._value_
+    band = request.serving_priority._value_
     parts: list[str] = []
     seq = 0
     last_at = None

@@ -45,8 +45,8 @@ def test_the_local_brokers_log_cleaner_keeps_a_small_dedupe_buffer(tmp_path):
     from pipeline.broker import LocalBroker
 
     broker = LocalBroker(9092, tmp_path)
-    broker._write_config(controller_port=9093)
-    props = dict(line.split("=", 1) for line in broker._properties.read_text().splitlines())
+    broker.write_config(controller_port=9093)
+    props = dict(line.split("=", 1) for line in broker.properties.read_text().splitlines())
     assert int(props["log.cleaner.dedupe.buffer.size"]) == 16 * 1024 * 1024
 
 
@@ -63,7 +63,7 @@ def test_the_local_broker_purges_completed_delayed_fetches_often(tmp_path):
     from pipeline.broker import LocalBroker
 
     broker = LocalBroker(9092, tmp_path)
-    broker._write_config(controller_port=9093)
-    props = dict(line.split("=", 1) for line in broker._properties.read_text().splitlines())
+    broker.write_config(controller_port=9093)
+    props = dict(line.split("=", 1) for line in broker.properties.read_text().splitlines())
     assert int(props["fetch.purgatory.purge.interval.requests"]) <= 10
     assert int(props["producer.purgatory.purge.interval.requests"]) <= 10
