@@ -142,13 +142,22 @@ def _measure(settings: Settings, rates: list[int], *, seconds: float, rounds: in
                             answered += sum(1 for _, lat in samples if lat is not None)
                         runs[path].append(sb._stats(samples))
                         _log(f"  {'stream ' if stream else ''}{rate}/s round {r} {path}: {runs[path][-1]}")
+                # A round whose direct baseline lost requests says nothing of llmq (the model
+                # server itself failed): it is left out of both medians and counted.
+                bad = {r for r, x in enumerate(runs["direct"]) if x["unanswered"]}
+                kept = {path: [x for r, x in enumerate(rs) if r not in bad] for path, rs in runs.items()}
+                if not kept["llmq"]:
+                    _log(f"  {rate}/s: the model server failed the baseline in every round; no figure")
+                    points.append({"rate_per_s": rate, "baseline_failed_rounds": len(bad), "rounds": rounds})
+                    continue
                 med = {path: {k: statistics.median(x[k] for x in rs) for k in ("p50_ms", "p99_ms")}
-                       for path, rs in runs.items()}
+                       for path, rs in kept.items()}
                 point = {"rate_per_s": rate,
                          "added_p50_ms": round(med["llmq"]["p50_ms"] - med["direct"]["p50_ms"], 2),
                          "added_p99_ms": round(med["llmq"]["p99_ms"] - med["direct"]["p99_ms"], 2),
                          "llmq": med["llmq"], "direct": med["direct"],
-                         "unanswered": sum(x["unanswered"] for x in runs["llmq"]),
+                         "unanswered": sum(x["unanswered"] for x in kept["llmq"]),
+                         "baseline_failed_rounds": len(bad),
                          "sent": int(rate * seconds) * rounds,
                          "cpu_ms_per_request": {name: round(cpu[name] * 1000 / max(answered, 1), 3) for name in pids}}
                 point["cpu_ms_per_request"]["llmq_total"] = round(sum(
@@ -162,6 +171,8 @@ def _measure(settings: Settings, rates: list[int], *, seconds: float, rounds: in
             for proc in (serve, worker, gw):
                 if proc is not None:
                     proc.stop()
+            if sim.output:
+                _log(f"  the model server printed {len(sim.output)} lines; the last: {sim.output[-1].strip()[:300]}")
             sim.stop()
             gb.drop_topics(s)
     return {"points": points, "seconds_per_round": seconds, "rounds": rounds, "stream": stream, "overrides": {},
@@ -181,7 +192,7 @@ def load_curve(settings: Settings, args) -> dict:
     rounds = max(1, min(getattr(args, "rounds", 3), 3))
     out = _measure(settings, [100, 200, 300, 400, 500, 700, 1000], seconds=6.0, rounds=rounds, stream=False,
                    stop_past_ms=KNEE_MS)
-    within = [p["rate_per_s"] for p in out["points"] if p["added_p99_ms"] <= KNEE_MS]
+    within = [p["rate_per_s"] for p in out["points"] if p.get("added_p99_ms", float("inf")) <= KNEE_MS]
     out.update(knee_ms=KNEE_MS, knee_rate_per_s=max(within) if within else None)
     return out
 

@@ -3,9 +3,11 @@ server out of their own interpreter (its event loop and GIL then cost the measur
 
 from __future__ import annotations
 
+import collections
 import re
 import subprocess
 import sys
+import threading
 
 import httpx
 
@@ -25,8 +27,16 @@ class SimulatorProcess:
         if "serving" not in line:
             self.stop()
             raise RuntimeError(f"the simulator did not start: {line.strip() or 'no output'}")
+        # Read whatever it prints from now on: a pipe nobody reads fills up (64 KiB), and the
+        # server then blocks in its next write, event loop and all, until it is killed.
+        self.output: collections.deque[str] = collections.deque(maxlen=200)
+        threading.Thread(target=self._drain, name="simulator-output", daemon=True).start()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self._http = httpx.Client(timeout=2)
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.output.append(line)
 
     def load(self) -> tuple[float, float]:
         """(running, waiting): ``vllm:num_requests_running``/``waiting`` on its /metrics now."""

@@ -278,20 +278,25 @@ class SimulatorServer:
             payload.update(extra)
             return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
-        if chat:  # OpenAI's first chunk carries the role
-            await resp.write(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "finish_reason": None}]))
-        while (index := await queue.get()) is not None:
-            last = index + 1 == seq.max_tokens
-            text = token_text(seed, index)
-            choice = ({"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text})
-            choice["finish_reason"] = finish if last else None
-            extra = {"usage": None} if include_usage else {}
-            await resp.write(chunk([choice], **extra))
-        if include_usage:
-            await resp.write(chunk([], usage=usage))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            if chat:  # OpenAI's first chunk carries the role
+                await resp.write(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                         "finish_reason": None}]))
+            while (index := await queue.get()) is not None:
+                last = index + 1 == seq.max_tokens
+                text = token_text(seed, index)
+                choice = ({"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text})
+                choice["finish_reason"] = finish if last else None
+                extra = {"usage": None} if include_usage else {}
+                await resp.write(chunk([choice], **extra))
+            if include_usage:
+                await resp.write(chunk([], usage=usage))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            # The client hung up mid-stream (a caller that wanted only the first token): as
+            # vLLM does, the sequence is aborted (by the caller's finally), and nothing is logged.
+            self.disconnects += 1
         return resp
 
 
