@@ -88,6 +88,15 @@ def plan(results: dict) -> str:
     ]
     if takeover is not None:
         lines.append(f"| gateway takeover after a SIGKILL (median) | {takeover} s | `gateway_failover.median_s` |")
+    front = (results["scenarios"].get("cpu_per_request") or {}).get("points") or []
+    if front:
+        at = front[0]
+        cpu = at["cpu_ms_per_request"]
+        lines.append(f"| CPU a request through the front door at {at['rate_per_s']} req/s: serve + gateway + worker "
+                     f"(the model server's own) | {cpu['serve']} + {cpu['gateway']} + {cpu['worker']} = "
+                     f"{cpu['llmq_total']} ms ({cpu['model_server']} ms) | `cpu_per_request.points[0].cpu_ms_per_request` |")
+        lines.append(f"| latency llmq adds there, p50 / p99 | +{at['added_p50_ms']} / +{at['added_p99_ms']} ms "
+                     "| `cpu_per_request.points[0].added_p50_ms`, `added_p99_ms` |")
     lines += [
         "",
         f"Planning rule: every instance runs at {HEADROOM:.0%} of what it did alone, so that a survivor can take a",
