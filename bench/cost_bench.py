@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -197,6 +198,24 @@ def load_curve(settings: Settings, args) -> dict:
     return out
 
 
+def idle_gateway_cpu(settings: Settings, seconds: float = 30.0) -> float:
+    """Percent of a core one gateway uses on its own settings (and the environment's LLMQ_GATEWAY__*
+    overrides) with nothing to read: what its fetch wait costs while traffic sleeps."""
+    s = gb.fresh(settings)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            gw = gb.GatewayProcess(s, gb.gateway_config({}), Path(tmp))
+            try:
+                time.sleep(15)  # start-up and the first rebalance settle
+                before = _cpu_s(gw.proc.pid)
+                time.sleep(seconds)
+                return round(100 * (_cpu_s(gw.proc.pid) - before) / seconds, 1)
+            finally:
+                gw.stop()
+    finally:
+        gb.drop_topics(s)
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -205,10 +224,14 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--idle", action="store_true", help="only: an idle gateway's CPU, percent of a core")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="py-spy each llmq process during the first round at each rate (its CPU then counts too)")
     args = parser.parse_args(argv)
     with gb.standalone_settings("llmq-cost-bench-") as settings:
+        if args.idle:
+            print(json.dumps({"idle_gateway_cpu_pct": idle_gateway_cpu(settings)}))
+            return 0
         result = _measure(settings, args.rates, seconds=args.seconds, rounds=args.rounds, stream=args.stream,
                           profile_dir=args.profile)
     print(json.dumps(result, indent=2))

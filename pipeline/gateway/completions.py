@@ -36,19 +36,10 @@ class Completions:
         self.checkpoint = checkpoint
         self.metrics = metrics
         self.partitions = partitions
-        self._homes: dict[str, int] = {}
         #: Each source's name in the tenant records' ``applied``: the responses, the receipts.
         self.sources = {receipts: "c"}
 
     SOURCE = "r"
-
-    def _home(self, tenant: str) -> int:
-        home = self._homes.get(tenant)
-        if home is None:
-            if len(self._homes) >= 65536:
-                self._homes.clear()
-            home = self._homes[tenant] = tenant_partition(tenant.encode(), self.partitions)
-        return home
 
     def handle(self, event) -> None:
         msg = event.message
@@ -65,7 +56,7 @@ class Completions:
             return  # the response topic's readers dead-letter nothing: not ours to judge
         if not resp.status.is_terminal or resp.admitted_at is None or resp.served_priority is None:
             return  # progress events, and answers to requests no gateway dispatched
-        if self._home(resp.tenant_id) != partition:
+        if tenant_partition(resp.tenant_id.encode(), self.partitions) != partition:
             # An answer in a client's own reply partition: its receipt, in the tenant's partition,
             # counts it, read by the gateway that owns the tenant (which this one may not be).
             return
