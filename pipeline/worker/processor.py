@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 class Processor:
     def __init__(self, ctx: WorkerContext, backend: Backend):
         self.cfg = ctx.cfg
-        self.publisher = ctx.chunks
+        self.chunks = ctx.chunks
         self.topics_prefix = ctx.settings.topics.prefix  # reply_to must name a topic under it
         self.backend = backend  # see the setter: what the backend can do
         self.codec = ctx.codec
@@ -255,8 +255,8 @@ class Processor:
         key = (tp, offset)
         try:
             backend = self.backend
-            if request.stream and self._streams and self.publisher is not None:
-                completion = await stream_completion(backend, request, slot, self.publisher, self.metrics,
+            if request.stream and self._streams and self.chunks is not None:
+                completion = await stream_completion(backend, request, slot, self.chunks, self.metrics,
                                                      lambda: self.scheduler.keep(key))
             else:
                 completion = await (backend.complete(request) if slot is None else backend.complete(request, slot))

@@ -14,9 +14,7 @@ from typing import Any, NamedTuple
 from pipeline.models import Request
 from pipeline.partitioning import ANY_PARTITION
 from pipeline.worker.backends.base import Completion
-
-#: A topic and partition, as the consumer reports them: ``(topic, partition)``.
-TopicPartitionKey = tuple[str, int]
+from pipeline.worker.offsets import TopicPartitionKey
 
 
 class Outcome(NamedTuple):
