@@ -657,9 +657,30 @@ def priority_isolation(settings: Settings, args) -> dict:
 # -- tenant_fairness --------------------------------------------------------------------------
 
 
-def _quiet_waits(settings: Settings, tmp: Path, *, flooder: bool, fifo: bool = False) -> tuple[list[float], dict]:
+def quiet_tenant(settings: Settings, same_partition: bool) -> str:
+    """A quiet tenant's name whose key hashes to the flooder's partitions (request and dispatch
+    topics alike), or to none of them."""
+    from pipeline.partitioning import tenant_partition
+
+    t = settings.topics
+
+    def where(name: str) -> tuple[int, int]:
+        return (tenant_partition(name.encode(), t.request_partitions), tenant_partition(name.encode(), 12))
+
+    flooder = where("flooder")
+    for i in range(10_000):
+        name = f"quiet-{i}"
+        here = where(name)
+        if (here == flooder) if same_partition else (here[0] != flooder[0] and here[1] != flooder[1]):
+            return name
+    raise RuntimeError("no such tenant name")
+
+
+def _quiet_waits(settings: Settings, tmp: Path, *, flooder: bool, fifo: bool = False,
+                 quiet: str = "quiet") -> tuple[list[float], dict]:
     """The quiet tenant's waits, in ms. ``fifo``: the baseline without llmq, both tenants on one
-    partition of one topic read in order by the same worker, no gateway and no fair preemption."""
+    partition of one topic read in order by the same worker, no gateway and no fair preemption.
+    ``quiet``: the quiet tenant's name (see quiet_tenant)."""
     s = fresh(settings, partitions={"request": 1} if fifo else None)
     # The quota is what keeps a flooder from filling the band: over it, its requests go one band down.
     gw = None if fifo else GatewayProcess(s, gateway_config(FAIRNESS_OVERRIDES), tmp)
@@ -673,7 +694,7 @@ def _quiet_waits(settings: Settings, tmp: Path, *, flooder: bool, fifo: bool = F
     try:
         # Both tenants' partitions written once: a partition's first write (the broker creates
         # its segment) took the first second's waits to 100 ms and set the quiet tenant's p99.
-        warm_up(s, bands=(Priority.NORMAL,) if fifo else (Priority.NORMAL, Priority.LOW), tenants=("quiet", "flooder"))
+        warm_up(s, bands=(Priority.NORMAL,) if fifo else (Priority.NORMAL, Priority.LOW), tenants=(quiet, "flooder"))
         seconds, quiet_rate = FAIRNESS_SECONDS, QUIET_PER_S
         events = [(i / quiet_rate, "quiet") for i in range(seconds * quiet_rate)]
         if flooder:
@@ -684,7 +705,7 @@ def _quiet_waits(settings: Settings, tmp: Path, *, flooder: bool, fifo: bool = F
 
         def schedule():
             for at, kind in events:
-                req = Request.new("quiet" if kind == "quiet" else "flooder", f"{kind}{at}", timeout_ms=600_000,
+                req = Request.new(quiet if kind == "quiet" else "flooder", f"{kind}{at}", timeout_ms=600_000,
                                   max_tokens=4)
                 if kind == "quiet":
                     quiet_ids.add(req.request_id)
@@ -722,10 +743,6 @@ def _quiet_waits(settings: Settings, tmp: Path, *, flooder: bool, fifo: bool = F
 #: the one worker does (2 slots x 10 ms: 200/s), on the gateway's defaults.
 QUIET_PER_S, FLOODER_PER_S, FAIRNESS_SECONDS = 30, 300, 8
 FAIRNESS_OVERRIDES: dict = {}
-#: The Jain index needs four tenants backlogged at once: 1,000 requests each at t=0, past the default
-#: per-second bucket's burst of 200.
-JAIN_OVERRIDES = {"gateway": {"limits": {"per_second": {"window_ms": 1000, "requests": 100_000}}}}
-
 
 #: A round whose p99 reaches this is not noise: its gateway's and worker's logs are kept.
 KEEP_LOGS_OVER_MS = 1000
@@ -742,44 +759,17 @@ def keep_logs(round_dir: Path, name: str) -> str:
     return str(dest.relative_to(LOGS.parent.parent))
 
 
-def _jain(settings: Settings, tmp: Path) -> float:
-    """Four tenants, equally weighted, all backlogged in one band: their shares of the work done."""
-    s = fresh(settings)
-    gw = GatewayProcess(s, gateway_config(JAIN_OVERRIDES), tmp)
-    workers = None
-    try:
-        tenants = [f"tenant-{c}" for c in "abcd"]
-        sched = ((0.0, Request.new(tenants[i % 4], f"j{i}", timeout_ms=600_000, max_tokens=4)) for i in range(4000))
-        produce_paced(s, sched)
-        time.sleep(3)  # all admitted and queued before any worker starts
-        workers = ThreadWorkers(s, 1, latency_ms=5, inflight=4)
-        codec = Codec.default()
-        deadline = time.monotonic() + 60
-        while workers.workers[0].stats.delivered == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(2)  # about 1,600 of the 4,000 done: everyone still backlogged
-        workers.stop()
-        got = read_all(s, s.topics.responses, codec.decode_response, expect=10**9, timeout=2)
-        done = collections.Counter(r.tenant_id for r in got)
-        xs = [done[t] for t in tenants]
-        return round(sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)), 4) if any(xs) else float("nan")
-    finally:
-        if workers:
-            workers.stop()
-        gw.stop()
-
-
 def tenant_fairness(settings: Settings, args) -> dict:
     # The quiet tenant sends 240 requests a run: its p99 is about its third-longest wait, so
     # alone and next to the flooder alternate for several rounds and the ratio is of the medians
-    # (single runs gave 0.57 to 1.73 on this machine; with three rounds, one 85-ms run of 28-ms
-    # ones was a third of the median's votes). Seven rounds: next to the flooder the broker
-    # collects its young generation 5-10 times a round, 10-30 ms each on these two cores, and
-    # the quiet requests a pause catches are what sets a round's p99 (most of a flooded round's
-    # longest waits overlapped a broker pause in its GC log); five rounds' medians put the ratio
-    # anywhere from 1.28 to 1.54 on the same code.
-    rounds = 7
+    # (single runs gave 0.57 to 1.73 on this machine). Next to the flooder the broker collects
+    # its young generation 5-10 times a round, 10-30 ms each on these two cores, and the quiet
+    # requests a pause catches are what sets a round's p99.
+    import fairness_bench as fb
+
+    rounds = 5
     kept = []
+    names = {"other": quiet_tenant(settings, same_partition=False), "same": quiet_tenant(settings, same_partition=True)}
     with tempfile.TemporaryDirectory() as tmp:
         made = []
 
@@ -787,46 +777,80 @@ def tenant_fairness(settings: Settings, args) -> dict:
             r = len(made)
             made.append(r)
             out: dict = {}
+            for where, quiet in names.items():
+                for kind in ("alone", "flood"):
+                    half = f"{kind}_{where}"
+                    logs = Path(tmp) / f"{half}{r}"
+                    logs.mkdir()
+                    before = cpu_times()
+                    waits, out["info"] = _quiet_waits(settings, logs, flooder=kind == "flood", quiet=quiet)
+                    out[half], out[f"{half}_steal_pct"] = p99(waits), machine_load(before, cpu_times()).get("steal_pct")
+                    if out[half] >= KEEP_LOGS_OVER_MS:
+                        kept.append(keep_logs(logs, f"tenant_fairness-{half}{r}"))
+            # quiet_rounds reads a round's steal from its "alone"/"flood" halves: the worse of each pair.
             for kind in ("alone", "flood"):
-                logs = Path(tmp) / f"{kind}{r}"
-                logs.mkdir()
-                before = cpu_times()
-                waits, out["info"] = _quiet_waits(settings, logs, flooder=kind == "flood")
-                out[kind], out[f"{kind}_steal_pct"] = p99(waits), machine_load(before, cpu_times()).get("steal_pct")
-                if out[kind] >= KEEP_LOGS_OVER_MS:
-                    kept.append(keep_logs(logs, f"tenant_fairness-{kind}{r}"))
+                steals = [out[f"{kind}_{w}_steal_pct"] for w in names if out[f"{kind}_{w}_steal_pct"] is not None]
+                out[f"{kind}_steal_pct"] = max(steals) if steals else None
             logs = Path(tmp) / f"fifo{r}"
             logs.mkdir()
-            out["fifo_flood"] = p99(_quiet_waits(settings, logs, flooder=True, fifo=True)[0])
-            _log(f"  quiet tenant p99: alone {out['alone']} ms, next to the flooder {out['flood']} ms "
-                 f"(steal {out['alone_steal_pct']} / {out['flood_steal_pct']} %); "
-                 f"FIFO next to the flooder {out['fifo_flood']} ms")
+            out["fifo_flood"] = p99(_quiet_waits(settings, logs, flooder=True, fifo=True, quiet=names["same"])[0])
+            _log(f"  quiet tenant p99, another partition: alone {out['alone_other']} ms, next to the flooder "
+                 f"{out['flood_other']} ms; the flooder's partition: alone {out['alone_same']} ms, next to it "
+                 f"{out['flood_same']} ms; FIFO next to the flooder {out['fifo_flood']} ms")
             return out
 
         chosen, aside, quiet = quiet_rounds(one_round, rounds)
-        jain = _jain(settings, Path(tmp))
+    shares = fb.fairness_shares(settings, rounds=3)
+    shaped, refused = fb.burst(settings, "delay"), fb.burst(settings, "refuse")
+    _log(f"  burst of {fb.BURST_REQUESTS} from {fb.BURST_TENANTS} tenants: shaped {shaped['statuses']}, "
+         f"refused {refused['statuses']}")
+    killed = fb.worker_killed(settings)
+    _log(f"  a worker SIGKILLed mid-run: {killed}")
     info = chosen[-1]["info"]
-    alone_runs, flood_runs = [r["alone"] for r in chosen], [r["flood"] for r in chosen]
-    a, f = statistics.median(alone_runs), statistics.median(flood_runs)
+    median = statistics.median
+
+    def latency(where: str) -> dict:
+        a, f = median(r[f"alone_{where}"] for r in chosen), median(r[f"flood_{where}"] for r in chosen)
+        return {"quiet_tenant": names[where], "quiet_p99_alone_ms": a, "quiet_p99_with_flooder_ms": f,
+                "ratio": round(f / max(a, 1), 3), "alone_runs_ms": [r[f"alone_{where}"] for r in chosen],
+                "flood_runs_ms": [r[f"flood_{where}"] for r in chosen]}
+
+    other, same = latency("other"), latency("same")
     fifo_runs = [r["fifo_flood"] for r in chosen]
-    return {"quiet_p99_alone_ms": a, "quiet_p99_with_flooder_ms": f, "ratio": round(f / max(a, 1), 3),
-            "baseline_fifo_p99_with_flooder_ms": statistics.median(fifo_runs), "baseline_fifo_runs_ms": fifo_runs,
+    weights = [r["ratio"] for r in shares["weights_2_to_1"]]
+    long = [r["ratio"] for r in shares["long_answers_10x"]]
+    ten = [r["jain_index"] for r in shares["ten_tenants"]]
+    return {**{k: other[k] for k in ("quiet_p99_alone_ms", "quiet_p99_with_flooder_ms", "ratio")},
+            "another_partition": other, "same_partition": same,
+            "baseline_fifo_p99_with_flooder_ms": median(fifo_runs), "baseline_fifo_runs_ms": fifo_runs,
             "baseline_fifo": "no gateway: both tenants on one partition of one NORMAL topic, read in order by "
                              "the same worker (2 slots, 10-ms calls), fair preemption off",
-            "jain_index": jain, **info, "quiet_per_s": QUIET_PER_S, "flooder_per_s": FLOODER_PER_S,
-            "alone_runs_ms": alone_runs, "flood_runs_ms": flood_runs,
-            "alone_runs_steal_pct": [r["alone_steal_pct"] for r in chosen],
-            "flood_runs_steal_pct": [r["flood_steal_pct"] for r in chosen],
-            **set_aside_for_steal([{k: r[k] for k in ("alone", "flood", "alone_steal_pct", "flood_steal_pct")}
-                                   for r in aside], quiet),
+            "weights_2_to_1": {"served_tokens_ratio": median(weights), "runs": weights,
+                               "detail": shares["weights_2_to_1"]},
+            "long_answers_10x": {"served_tokens_ratio_long_over_short": median(long), "runs": long,
+                                 "detail": shares["long_answers_10x"]},
+            "ten_tenants": {"jain_index": median(ten), "runs": ten, "detail": shares["ten_tenants"]},
+            "jain_index": median(ten),
+            "burst": {"shaped": shaped, "refused_as_before": refused},
+            "worker_killed": killed,
+            **info, "quiet_per_s": QUIET_PER_S, "flooder_per_s": FLOODER_PER_S,
+            **set_aside_for_steal([{k: r[k] for k in ("alone_other", "flood_other", "alone_same", "flood_same",
+                                                      "alone_steal_pct", "flood_steal_pct")} for r in aside], quiet),
             "logs_kept": kept,
-            "measured": f"medians of {rounds} rounds, each alone then next to the flooder; "
-                        + QUIET_RULE.format(wanted=f"{rounds} rounds", most=2 * rounds),
-            "worker": "llmq worker in its own process (2 slots, 10-ms calls)",
-            "mechanism": "per-tenant outstanding cap (2 in NORMAL) demotes the flooder's excess one band down; "
-                         "a worker whose slots are busy preempts a LOW call for a waiting NORMAL request "
-                         "(worker.preempt_bands), or a call of a tenant holding two or more slots in the band "
-                         "for a tenant running none (worker.fair_preemption)"}
+            "measured": f"latency: medians of {rounds} rounds, each alone then next to the flooder, for a quiet "
+                        "tenant on another partition and one on the flooder's; "
+                        + QUIET_RULE.format(wanted=f"{rounds} rounds", most=2 * rounds)
+                        + f"; shares: medians of 3 runs, tokens (prompt + 2 x output) of the requests started in a "
+                          f"{fb.WINDOW_S:.0f}-s window while every tenant had work waiting",
+            "worker": f"llmq worker in its own process ({fb.SLOTS} slots, {fb.LATENCY_MS}-ms calls; "
+                      f"shares: + {fb.MS_PER_TOKEN} ms per output token)",
+            "overrides": {"topics.dispatch_partitions": 12, "share runs: worker.sim_ms_per_token": fb.MS_PER_TOKEN,
+                          "weights: tenant records": "gold weight 2", "burst refused_as_before: limits over":
+                          "refuse"},
+            "mechanism": "weighted fair queuing by tokens in the worker (virtual token counters across the "
+                         "worker's partitions, earliest deadline first inside a tenant), read ahead up to "
+                         "worker.lookahead_requests per partition; the gateway shapes over-rate requests "
+                         "(rate limits over = delay) instead of refusing them"}
 
 
 # -- end_to_end_latency -----------------------------------------------------------------------

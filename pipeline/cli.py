@@ -142,12 +142,30 @@ def cmd_worker(args) -> int:
     settings.validate()
     backend = make_backend(w)
     topics = args.topics.split(",") if args.topics else None
-    worker = Worker(settings, backend, topics=topics)
+    worker = Worker(settings, backend, topics=topics, weights=_tenant_weights(settings))
     if serve(worker.metrics.registry, w.metrics_port, w.metrics_addr):
         log.info("metrics on http://%s:%d/metrics", w.metrics_addr, w.metrics_port)
     freeze_long_lived("worker")
     worker.run()
     return 0
+
+
+def _tenant_weights(settings):
+    """The tenant registry's ``weight`` of each tenant, read live (fair queuing's shares)."""
+    from pipeline.errors import LlmqError
+    from pipeline.tenants.registry import TenantRegistry
+
+    registry = TenantRegistry(settings)
+    try:
+        registry.start(wait_s=15.0)
+    except LlmqError as exc:
+        log.warning("%s: tenants' weights come from the configuration and the registry file only", exc)
+
+    def weight(tenant: str) -> float:
+        record = registry.get(tenant)
+        return record.weight if record is not None else 1.0
+
+    return weight
 
 
 def cmd_gateway(args) -> int:

@@ -38,6 +38,11 @@ __all__ = [
 ]
 
 
+#: Kafka header of a dispatched request the gateway shaped under a rate limit: epoch ms (ASCII)
+#: before which no worker starts it.
+NOT_BEFORE_HEADER = "llmq-not-before"
+
+
 def now_ms() -> int:
     """Current wall-clock time as integer epoch milliseconds (UTC)."""
     return time.time_ns() // 1_000_000

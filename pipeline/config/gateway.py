@@ -6,11 +6,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipeline.config.fields import BAND_NAMES, check_band
+from pipeline.config.fields import BAND_NAMES, check_band, non_negative
 from pipeline.errors import ConfigError
 from pipeline.models import Priority
 
-_LIMIT_KEYS = ("window_ms", "requests", "tokens", "scope", "burst", "token_burst")
+_LIMIT_KEYS = ("window_ms", "requests", "tokens", "scope", "burst", "token_burst", "over")
 #: What [gateway.shadow] may replace: the limits an operator tries out before enforcing them.
 SHADOW_KEYS = ("limits", "tenant_limits", "tenant_outstanding", "tenant_outstanding_overrides", "queue_caps")
 
@@ -19,7 +19,9 @@ SHADOW_KEYS = ("limits", "tenant_limits", "tenant_outstanding", "tenant_outstand
 class RateLimitSettings:
     """One named token bucket pair: ``requests`` requests and ``tokens`` tokens per ``window_ms``
     (0 = no such cap), bursts of ``burst`` requests / ``token_burst`` tokens (0 = one window's
-    worth), per tenant or per tenant and model (``scope``)."""
+    worth), per tenant or per tenant and model (``scope``). ``over``: what becomes of a request
+    over the limit: "delay" (admitted to start when the bucket has room for it, unless that is
+    past its deadline or ``gateway.rate_limit_max_delay_ms``) or "refuse" (rate_limited at once)."""
 
     name: str
     window_ms: int
@@ -28,6 +30,7 @@ class RateLimitSettings:
     scope: str = "tenant"
     burst: int = 0
     token_burst: int = 0
+    over: str = "delay"
 
     @property
     def request_burst(self) -> int:
@@ -46,6 +49,8 @@ class RateLimitSettings:
             raise ConfigError(f"{path}.scope", "must be 'tenant' or 'tenant_model'")
         if self.burst < 0 or self.token_burst < 0:
             raise ConfigError(path, "burst and token_burst must be >= 0")
+        if self.over not in ("delay", "refuse"):
+            raise ConfigError(f"{path}.over", "must be 'delay' (shape: start it when the bucket has room) or 'refuse'")
         if "\x1f" in self.name or not self.name:
             raise ConfigError(path, "a limit needs a plain name")
 
@@ -66,7 +71,8 @@ def _limits(path: str, table: Any) -> list[RateLimitSettings]:
         try:
             limit = RateLimitSettings(str(name), int(spec.get("window_ms", 0)), int(spec.get("requests", 0)),
                                       int(spec.get("tokens", 0)), str(spec.get("scope", "tenant")),
-                                      int(spec.get("burst", 0)), int(spec.get("token_burst", 0)))
+                                      int(spec.get("burst", 0)), int(spec.get("token_burst", 0)),
+                                      str(spec.get("over", "delay")))
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{path}.{name}", f"must be integers ({exc})") from None
         limit.check(f"{path}.{name}")
@@ -104,10 +110,13 @@ class GatewaySettings:
     load_spared_share: float = 0.1
     #: How much queued work, in time at the current drain rate, counts as full load (1.0).
     target_queue_ms: int = 2_000
-    #: Token buckets per tenant: name → {window_ms, requests, tokens, burst, token_burst, scope}.
+    #: Token buckets per tenant: name → {window_ms, requests, tokens, burst, token_burst, scope, over}.
     limits: dict[str, Any] = field(default_factory=lambda: {
         "per_second": {"window_ms": 1_000, "requests": 200, "tokens": 400_000},
         "per_minute": {"window_ms": 60_000, "requests": 6_000, "tokens": 12_000_000}})
+    #: The longest a request over a "delay" limit is held back (its deadline bounds it too);
+    #: one that would wait longer is refused rate_limited with a retry-after.
+    rate_limit_max_delay_ms: int = 30_000
     #: Per-tenant replacements of ``limits``: tenant → {name → {...}}.
     tenant_limits: dict[str, Any] = field(default_factory=dict)
     #: Fairness: most requests one tenant may have outstanding per band (0 = no cap); over it,
@@ -241,6 +250,7 @@ class GatewaySettings:
             raise ConfigError("gateway.processing_guarantee", "must be 'at-least-once'")
         if self.decision_flush_ms < 0:
             raise ConfigError("gateway.decision_flush_ms", f"must be >= 0, got {self.decision_flush_ms!r}")
+        non_negative("gateway.rate_limit_max_delay_ms", self.rate_limit_max_delay_ms)
         for key in ("max_timeout_ms", "urgent_eta_factor", "target_queue_ms", "depth_refresh_ms", "state_flush_ms"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"gateway.{key}", f"must be > 0, got {getattr(self, key)!r}")

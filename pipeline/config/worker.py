@@ -119,6 +119,16 @@ class WorkerSettings:
     #: band, which goes back to its queue behind it (max_preemptions bounds it too). Without it a
     #: flooding tenant holding every slot makes a quiet one wait for one of its calls to end.
     fair_preemption: bool = True
+    #: How far a worker reads ahead of its free slots, so that fair queuing chooses among
+    #: everyone who waits and not only among what was read first: up to this many requests per
+    #: partition, and this many bytes of requests in all (each counted at its record's size plus
+    #: a fixed overhead for its decoded form). A partition past either is paused until it drains
+    #: to half. What is read ahead is not committed until done: a crash redelivers it.
+    lookahead_requests: int = 4096
+    lookahead_bytes: int = 64 * 1024 * 1024
+    #: Each tenant's share of a band against the others (weighted fair queuing by tokens);
+    #: these win over the tenant registry's ``weight``; a tenant in neither has weight 1.
+    tenant_weights: dict[str, float] = field(default_factory=dict)
     #: Recent request ids a worker remembers, to answer a re-submitted id only once (0 = off).
     dedupe_window: int = 100_000
     #: Tenants that get their own metric label: these, plus the N busiest; the rest are "other".
@@ -154,8 +164,17 @@ class WorkerSettings:
 
     def validate(self) -> None:
         for key in ("max_inflight", "batch_size", "commit_interval_ms", "idle_poll_ms", "max_poll_interval_ms",
-                    "session_timeout_ms"):
+                    "session_timeout_ms", "lookahead_requests", "lookahead_bytes"):
             positive(f"worker.{key}", getattr(self, key))
+        weights = {}
+        for tenant, weight in self.tenant_weights.items():
+            try:
+                weights[tenant] = float(weight)
+            except (TypeError, ValueError):
+                raise ConfigError(f"worker.tenant_weights.{tenant}", f"must be a number, got {weight!r}") from None
+            if not weights[tenant] > 0:
+                raise ConfigError(f"worker.tenant_weights.{tenant}", f"must be more than 0, got {weight!r}")
+        self.tenant_weights = weights
         for key in ("shutdown_grace_s", "sim_latency_ms", "sim_ms_per_token", "metrics_tenant_top_n", "dedupe_window"):
             non_negative(f"worker.{key}", getattr(self, key))
         non_negative("worker.producer_linger_ms", self.producer_linger_ms)

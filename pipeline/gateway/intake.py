@@ -29,7 +29,7 @@ from pipeline.gateway.checkpoint import DecisionCheckpoint
 from pipeline.gateway.outputs import Output
 from pipeline.gateway.seen import Seen, SeenDecisions
 from pipeline.gateway.tenant_states import TenantStates
-from pipeline.models import BANDS, Priority, Request, Response, Status, now_ms
+from pipeline.models import BANDS, NOT_BEFORE_HEADER, Priority, Request, Response, Status, now_ms
 from pipeline.observability.metrics import GatewayMetrics, reason_code
 from pipeline.policy.admission import Action, Admission, Decision
 from pipeline.policy.shadow import Shadow
@@ -137,7 +137,7 @@ class Intake:
             band = decision.band
             self.seen.add(req.request_id, msg.partition, Seen(source, req.tenant_id, now, band.rank, decision.model or "",
                                                decision.charged_tokens, decision.degraded_from or "", in_flight=True,
-                                               arrived_ms=arrived))
+                                               arrived_ms=arrived, not_before_ms=decision.not_before_ms))
             m.outcome(req.priority.value, "admitted")
             if decision.degraded_from is not None:
                 m.degraded.labels(req.priority.value).inc()
@@ -152,7 +152,7 @@ class Intake:
                     req, Status.QUEUED, admitted_at=now, served_priority=band, queue_position=decision.position,
                     eta_ms=None if eta is None or eta == float("inf") else int(eta), model=decision.model or req.model,
                     degraded=decision.degraded_from is not None), req))
-            self._dispatch(req, now, band, decision.model, decision.degraded_from, outputs)
+            self._dispatch(req, now, band, decision.model, decision.degraded_from, outputs, decision.not_before_ms)
             return
         status = _STATUS[decision.action]
         self.seen.add(req.request_id, msg.partition, Seen(source, req.tenant_id, now, status=status.value,
@@ -195,16 +195,19 @@ class Intake:
             return
         m.outcome(req.priority.value, "redelivered" if redelivered else "duplicate")
         band = BANDS[seen.dispatched]
-        self._dispatch(req, seen.at_ms, band, seen.model or req.model, seen.degraded_from or None, outputs)
+        self._dispatch(req, seen.at_ms, band, seen.model or req.model, seen.degraded_from or None, outputs,
+                       seen.not_before_ms)
 
     def _dispatch(self, req: Request, admitted_at: int, band: Priority, model: str, degraded_from: str | None,
-                  outputs: list[Output]) -> None:
+                  outputs: list[Output], not_before_ms: int = 0) -> None:
         req.admitted_at = admitted_at
         req.effective_priority = band
         if degraded_from is not None:
             req.model, req.degraded_from = model, degraded_from
         topic = self.dispatch[band]
-        outputs.append(Output(topic, self.codec.encode_request(req, self.wire, topic), req.tenant_id.encode()))
+        # Shaped by a rate limit: workers hold it until then (pipeline/worker/scheduler.py).
+        headers = [(NOT_BEFORE_HEADER, b"%d" % not_before_ms)] if not_before_ms else None
+        outputs.append(Output(topic, self.codec.encode_request(req, self.wire, topic), req.tenant_id.encode(), headers))
 
     def _answer(self, response: Response, req: Request) -> Output:
         """The answer to ``req``, to the partition of the responses its client reads when it named

@@ -33,6 +33,7 @@ class Seen(NamedTuple):
     retry_after_ms: int = 0
     served: int = -1
     arrived_ms: int = 0  # the buckets' clock at the decision (to charge them again the same way)
+    not_before_ms: int = 0  # shaped by a rate limit: not to start before (dispatched again the same way)
 
 
 class SeenDecisions:

@@ -26,7 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import start_http_server
 
 from pipeline.errors import ConfigError
-from pipeline.models import Priority
+from pipeline.models import BANDS, Priority
+from pipeline.observability.fair_share import FairShareWindow
 from pipeline.observability.fairness import NOT_DEMAND, FairnessWindow
 
 # `x_created` series double every counter and histogram and no dashboard uses them.
@@ -240,13 +241,51 @@ class WorkerMetrics:
         self.inter_token = Histogram("llmq_inter_token_seconds",
                                      "Streamed requests: time between one chunk of text and the next.", ["priority"],
                                      TOKEN_GAP_BUCKETS)
+        self.served_tokens = Counter(
+            "llmq_tenant_served_tokens", "Tokens served per tenant and band, prompt + 2 x output (what fair "
+                                         "queuing charges; allow-listed and top-N tenants, the rest as 'other').",
+            ["priority", "tenant"])
+        self.fair_share = Gauge(
+            "llmq_tenant_fair_share_ratio", "Tokens served to a tenant with requests waiting over its weighted "
+                                            "fair share of what the band served, last minute (1 = its share).",
+            ["pool", "priority", "tenant"])
+        self.fairness = Gauge("llmq_worker_fairness_jain_index",
+                              "Jain's index of the waiting tenants' fair-share ratios in the band, last minute "
+                              "(1 = each got its weighted share).", ["pool", "priority"])
         self.registry.register(_Collector([
             self.requests, self.rejections, self.queue_wait, self.duration, self.tenant_wait, self.inflight,
             self.tokens, self.last_commit, self.rebalances, self.dead_letters, self.up, self.preemptions,
-            self.duplicates, self.ttft, self.inter_token]))
+            self.duplicates, self.ttft, self.inter_token, self.served_tokens, self.fair_share, self.fairness]))
+        self.share_windows = [FairShareWindow() for _ in BANDS]
         self.inflight_child = self.inflight.labels(pool)
         self.inflight_child.set(0)
         self._band_series: dict[str, tuple] = {}
+
+    def served(self, tenant: str, rank: int, tokens: float) -> None:
+        """A request of ``tenant`` in band ``rank`` was served ``tokens`` (fair queuing's cost)."""
+        self.served_tokens.labels(BANDS[rank].value, self.tenants.label(tenant)).inc(tokens)
+        self.share_windows[rank].served(tenant, tokens)
+
+    def fairness_tick(self, waiting: list[dict]) -> None:
+        """Once a second: ``waiting[rank]`` maps each tenant with requests waiting in that band to
+        its weight. Updates the share ratios and Jain's index of the last minute."""
+        label = self.tenants.label
+        for rank, window in enumerate(self.share_windows):
+            window.tick(waiting[rank])
+            band = BANDS[rank].value
+            ratios = window.ratios()
+            for key in [k for k in self.fair_share.children if k[1] == band]:
+                if key[2] not in ratios:
+                    del self.fair_share.children[key]
+            for tenant, ratio in ratios.items():
+                name = label(tenant)
+                if name != "other":
+                    self.fair_share.labels(self.pool, band, name).set(round(ratio, 4))
+            jain = window.jain()
+            if jain is None:
+                self.fairness.children.pop((self.pool, band), None)
+            else:
+                self.fairness.labels(self.pool, band).set(round(jain, 4))
 
     def first_token(self, priority: str, seconds: float) -> None:
         self.ttft.labels(priority).observe(seconds if seconds > 0 else 0.0)

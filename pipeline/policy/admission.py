@@ -14,7 +14,9 @@ that is not admitted):
 7. deadline cannot be met even at the fastest wait recent evidence allows
                                        → EXPIRED
 8. degradation: under load, a simple request that allows it gets the smaller model
-9. rate limits, every bucket, requests and tokens (of the model it will run on)
+9. rate limits, every bucket, requests and tokens (of the model it will run on); over a "delay"
+   limit it is shaped: admitted to start once the bucket has room (``not_before_ms``), unless
+   that is past its deadline or the longest delay
                                        → REJECTED rate_limited + which limit + retry_after_ms
 10. admitted: dispatched to its band with position and ETA; charged to the tenant's buckets,
     counted in its outstanding requests and in the band's queue.
@@ -61,6 +63,8 @@ class Decision(NamedTuple):
     notes: tuple[str, ...] = ()
     #: The token estimate charged to the buckets (prompt estimate + max_tokens), settled later.
     charged_tokens: int = 0
+    #: Shaped by a rate limit: epoch ms before which it must not start (0: at once).
+    not_before_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ class RateLimits:
 class Admission:
     def __init__(self, priority: PriorityPolicy, limits: RateLimits, quotas: FairnessQuotas, queues: QueueModel,
                  degrade: DegradePolicy, *, max_timeout_ms: int = 600_000, topics_prefix: str | None = None,
-                 early_expiry: bool = True):
+                 early_expiry: bool = True, max_delay_ms: int = 30_000):
         self.priority = priority
         self.limits = limits
         self.quotas = quotas
@@ -102,6 +106,8 @@ class Admission:
         self.degrade = degrade
         self.max_timeout_ms = max_timeout_ms
         self.early_expiry = early_expiry
+        #: The longest a request over a "delay" rate limit is held back.
+        self.max_delay_ms = max_delay_ms
         #: Where a request's reply_to may point (under the pipeline's topic prefix).
         self.topics_prefix = topics_prefix
 
@@ -166,16 +172,25 @@ class Admission:
 
         charged = prompt_tokens + req.max_tokens
         at = state.bucket_time(now_ms if arrived_ms is None else arrived_ms)
-        limited = ratelimit.admit(state.buckets, self.limits.of(tenant), model, charged, at)
+        # Held back no longer than its deadline allows (on the buckets' clock, which runs from
+        # the arrival), nor than the longest delay.
+        max_delay = max(0, min(self.max_delay_ms, left - (now_ms - at)))
+        limited = ratelimit.admit(state.buckets, self.limits.of(tenant), model, charged, at, max_delay)
         if not limited.admitted:
             return Decision(Action.REJECT, f"rate_limited: limit {limited.limit}: {limited.detail}",
                             retry_after_ms=limited.retry_after_ms or None, band=band)
+        not_before, eta = 0, verdict.eta_ms
+        if limited.delay_ms:
+            not_before = int(at + limited.delay_ms + 0.999)
+            eta = max(eta, not_before - now_ms)
+            notes += (f"shaped: starts in {max(0, not_before - now_ms)} ms, at its rate limits' pace",)
 
         state.charged_at(at)
         state.admitted(band.rank)
         queues.admitted(band.rank, tenant, req.request_id, now_ms)
         return Decision(Action.DISPATCH, band=band, model=model, degraded_from=degraded_from,
-                        position=verdict.position, eta_ms=verdict.eta_ms, notes=notes, charged_tokens=charged)
+                        position=verdict.position, eta_ms=eta, notes=notes, charged_tokens=charged,
+                        not_before_ms=not_before if not_before > now_ms else 0)
 
     def admitted_again(self, tenant: str, state: TenantState, band: Priority, model: str, charged_tokens: int,
                        arrived_ms: int) -> None:

@@ -12,6 +12,13 @@ when, after paying, neither bucket is more than its burst ahead of now. Conseque
   bucket that refused has room for it;
 * the state of a tenant is a handful of floats, so it fits one table record.
 
+A limit whose ``over`` is "delay" *shapes* rather than refuses: a request that does not fit now
+is charged all the same and admitted with ``delay_ms``, the time at which the bucket has room
+for it (its conformance time, as a GCRA shaper computes it), provided that is no later than
+``max_delay_ms``. Successive delayed requests get successive times, one emission interval
+apart, so a tenant's requests start at no more than its rate, in order, and a burst is spread
+instead of refused.
+
 The limits themselves are settings (:class:`pipeline.config.gateway.RateLimitSettings`).
 Token costs are an estimate at admission (prompt estimate + ``max_tokens``); :func:`settle`
 corrects the token bucket by the difference once the response reports the real usage.
@@ -46,6 +53,8 @@ class RateDecision(NamedTuple):
     #: When the bucket that refused has room again (0 when admitted, or when it never will).
     retry_after_ms: int = 0
     detail: str = ""
+    #: Admitted under a "delay" limit: how long after ``now_ms`` it may start (0: at once).
+    delay_ms: float = 0.0
 
 
 ADMIT = RateDecision(True)
@@ -54,10 +63,15 @@ ADMIT = RateDecision(True)
 Buckets = MutableMapping[str, list]
 
 
-def admit(buckets: Buckets, limits: list[RateLimit], model: str, tokens: int, now_ms: float) -> RateDecision:
-    """Admit and charge every limit, or refuse (charging nothing) naming the limit that waits longest."""
+def admit(buckets: Buckets, limits: list[RateLimit], model: str, tokens: int, now_ms: float,
+          max_delay_ms: float = 0.0) -> RateDecision:
+    """Admit and charge every limit, or refuse (charging nothing) naming the limit that waits longest.
+
+    A request over only "delay" limits, by no more than ``max_delay_ms``, is admitted and charged
+    with the wait as ``delay_ms``."""
     charges = []
     worst: RateDecision | None = None
+    delay = 0.0
     for limit in limits:
         key = limit_key(limit, model)
         tat_requests, tat_tokens = buckets.get(key) or (now_ms, now_ms)
@@ -81,15 +95,18 @@ def admit(buckets: Buckets, limits: list[RateLimit], model: str, tokens: int, no
             if ahead > wait:
                 wait, over = ahead, f"{describe(limit)}, burst {limit.tokens_burst} tokens ({tokens} asked)"
         if over:
-            retry = max(1, int(wait + 0.999))
-            if worst is None or retry > worst.retry_after_ms:
-                worst = RateDecision(False, limit.name, retry, over)
+            if limit.over == "delay" and wait <= max_delay_ms:
+                delay = max(delay, wait)
+            else:
+                retry = max(1, int(wait + 0.999))
+                if worst is None or retry > worst.retry_after_ms:
+                    worst = RateDecision(False, limit.name, retry, over)
         charges.append((key, new_requests, new_tokens))
     if worst is not None:
         return worst
     for key, new_requests, new_tokens in charges:
         buckets[key] = [new_requests, new_tokens]
-    return ADMIT
+    return RateDecision(True, delay_ms=delay) if delay else ADMIT
 
 
 def charge(buckets: Buckets, limits: list[RateLimit], model: str, tokens: int, now_ms: float) -> None:

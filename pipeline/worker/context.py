@@ -5,7 +5,7 @@ parts share and hands each part the ones it uses, so the loop (loop.py) only dri
 does no I/O: a session's clients are made when the session starts and live in
 :class:`~pipeline.worker.state.Session`.
 
-The parts, bottom up: the band queues (scheduler.py), pausing (flow.py), getting bytes to the
+The parts, bottom up: the bands' fair queues (scheduler.py), pausing (flow.py), getting bytes to the
 broker (publisher.py), offsets and transactions (checkpoint.py), ids seen again (dedupe.py),
 each request's one outcome (responder.py), streamed chunks (chunk_publisher.py); the
 processor (processor.py), which runs requests through them, is made from this context.
@@ -14,6 +14,7 @@ processor (processor.py), which runs requests through them, is made from this co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from pipeline.config import Settings, WorkerSettings
 from pipeline.observability.metrics import WorkerMetrics
@@ -53,10 +54,10 @@ class WorkerContext:
 
     @classmethod
     def build(cls, settings: Settings, *, topics: list[str], codec: Codec, worker_id: str,
-              metrics: WorkerMetrics) -> "WorkerContext":
+              metrics: WorkerMetrics, weights: Callable[[str], float] | None = None) -> "WorkerContext":
         cfg = settings.worker
         stats, session = WorkerStats(), Session()
-        scheduler = Scheduler(settings, topics, stats, metrics)
+        scheduler = Scheduler(settings, topics, stats, metrics, weights)
         publisher = Publisher(settings, codec, worker_id, session, ReplyTargets(settings, session), stats, metrics)
         checkpoint = OffsetCheckpoint(cfg, session, stats, metrics, publish=publisher.produce)
         recent = RecentRequests(cfg.dedupe_window, checkpoint.exactly_once)

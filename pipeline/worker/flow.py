@@ -1,8 +1,10 @@
 """Flow control: how much the consumer fetches while the worker is busy.
 
 The loop never stops polling (polls serve rebalances and keep ``max.poll.interval.ms``
-satisfied), so what holds work back is pausing. A partition is paused only if its queue is
-still at the cap after the free slots are filled: librdkafka drops a paused partition's
+satisfied), so what holds work back is pausing. The worker reads ahead of its slots, so that
+fair queuing sees every tenant who waits (scheduler.py); a partition is paused only if its
+queue is still at the cap (``worker.lookahead_requests``, or ``worker.lookahead_bytes`` in
+all) after the free slots are filled: librdkafka drops a paused partition's
 prefetched messages and fetches them again, so pausing on the way in would refetch what a
 fast backend clears in the same turn. Pausing a partition rather than its whole band keeps a
 flooding tenant's partition from filling the band's queue. On drain the whole assignment is
@@ -71,18 +73,18 @@ class Flow:
     def pause_deep(self) -> None:
         """Pause the partitions whose queue is still at its cap once the free slots are filled."""
         scheduler = self.scheduler
-        cap = scheduler.cap
         for tp in scheduler.deep:
-            if scheduler.depth(tp) >= cap:
+            if scheduler.over(tp):
                 self.set_paused(tp, True)
         scheduler.deep.clear()
 
     def resume_drained(self) -> None:
-        """Resume the paused partitions whose queue is down to half its cap."""
+        """Resume the paused partitions whose queue is down to half its cap (and the bytes of all
+        to half of theirs)."""
         if not self.paused_parts or self.paused:
             return
-        half, depth = self.scheduler.cap // 2, self.scheduler.depth
-        for tp in [tp for tp in self.paused_parts if depth(tp) <= half]:
+        drained = self.scheduler.drained
+        for tp in [tp for tp in self.paused_parts if drained(tp)]:
             self.set_paused(tp, False)
 
     def set_paused(self, tp: tuple[str, int], paused: bool) -> None:

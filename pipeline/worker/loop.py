@@ -22,6 +22,7 @@ import signal
 import socket
 import threading
 import time
+from typing import Callable
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 
@@ -51,12 +52,17 @@ _DISPATCH_CHUNK = 64
 # for librdkafka to notice the expired session and report the lost partitions.
 _FROZEN_HOLD_S = 4.0
 
+# How often the per-tenant fair-share metrics close a tick.
+FAIRNESS_TICK_S = 1.0
+
 
 class Worker:
     def __init__(self, settings: Settings, backend: Backend, *, topics: list[str] | None = None,
                  codec: Codec | None = None, worker_id: str | None = None,
                  consumer_overrides: dict | None = None, producer_overrides: dict | None = None,
-                 metrics: WorkerMetrics | None = None):
+                 metrics: WorkerMetrics | None = None, weights: Callable[[str], float] | None = None):
+        """``weights(tenant)``: its share of a band against other tenants (the tenant registry's
+        ``weight``; ``worker.tenant_weights`` win over it; default 1 each)."""
         self.settings = settings
         self.cfg = cfg = settings.worker
         self.topics = topics or settings.topics.pool_topics(cfg.pool, cfg.source)
@@ -71,7 +77,7 @@ class Worker:
         metrics = metrics or WorkerMetrics(pool=cfg.pool,
                                            tenants=TenantLabels(cfg.metrics_tenants, cfg.metrics_tenant_top_n))
         self.ctx = ctx = WorkerContext.build(settings, topics=self.topics, codec=self.codec, worker_id=self.worker_id,
-                                             metrics=metrics)
+                                             metrics=metrics, weights=weights)
         self.stats, self.metrics, self.session = ctx.stats, ctx.metrics, ctx.session
         self.scheduler, self.flow, self.checkpoint = ctx.scheduler, ctx.flow, ctx.checkpoint
         self.recent, self.responder, self.chunks = ctx.recent, ctx.responder, ctx.chunks
@@ -180,6 +186,7 @@ class Worker:
         session_s = cfg.session_timeout_ms / 1000.0
         last_turn = time.monotonic()
         hold_until = 0.0
+        next_fairness_tick = last_turn + FAIRNESS_TICK_S
         wait_in_poll = False  # idle with nothing in flight: the next poll waits for a message itself
         while not self._stop.is_set() and not session.over:
             now = time.monotonic()
@@ -215,6 +222,9 @@ class Worker:
             chunks.poll()
             if checkpoint.due(now):
                 checkpoint.commit(asynchronous=True)
+            if now >= next_fairness_tick:
+                next_fairness_tick = now + FAIRNESS_TICK_S
+                self.fairness_tick()
             if flow.full(len(tasks)) or self._backend_full:
                 # Woken as soon as a call ends (a slot is free), or a little later (a server's
                 # metrics may have said it has more room).
@@ -231,18 +241,22 @@ class Worker:
     # -- taking and dispatching -----------------------------------------------------------
 
     def take_many(self, msgs: list) -> None:
-        """:meth:`_take` each of ``msgs`` (one consume's worth), the common case inline."""
+        """:meth:`take` each of ``msgs`` (one consume's worth), the common case inline."""
         started, add, skipping = self.checkpoint.tracker.started, self.scheduler.add, self.checkpoint.done_before
+        decode = self.processor.decode
         for msg in msgs:
             if msg.error() is not None or skipping:
                 self.take(msg)  # errors, and the first messages after a rebalance: the whole story
                 continue
             tp = (msg.topic(), msg.partition())
             started(tp, msg.offset())
-            add(tp, msg)
+            request = decode(msg)
+            if request is not None:
+                add(tp, msg, request)
 
     def take(self, msg) -> None:
-        """Accept a consumed message into its band's queue (its offset now holds commits back)."""
+        """Accept a consumed message: decoded into its band's queue, or dead-lettered if it cannot
+        be (its offset now holds commits back until it is answered)."""
         err = msg.error()
         if err is not None:
             if err.code() != _PARTITION_EOF:
@@ -252,7 +266,9 @@ class Worker:
             return
         tp = (msg.topic(), msg.partition())
         if self.checkpoint.take(tp, msg.offset()):
-            self.scheduler.add(tp, msg)
+            request = self.processor.decode(msg)
+            if request is not None:
+                self.scheduler.add(tp, msg, request)
 
     def dispatch(self) -> int:
         """Start queued requests, highest band first (minimum shares aside), while slots are free.
@@ -305,12 +321,18 @@ class Worker:
             processor.preempt(processor.held_model)
         return n
 
+    def fairness_tick(self) -> None:
+        """Close a tick of the fair-share metrics: who waits now in each band, with their weights."""
+        weight = self.scheduler.weight_of
+        self.metrics.fairness_tick([{t: weight(t) for t in q.waiting_tenants()} for q in self.scheduler.queues])
+
     def handle(self, msg) -> None:
         """Take one message and process it at once (no band scheduling): tests and tools."""
+        depth = self.scheduler.depth((msg.topic(), msg.partition())) if msg.error() is None else 0
         self.take(msg)
-        if msg.error() is None:
-            self.scheduler.take_back((msg.topic(), msg.partition()))
-            self.processor.process([msg])
+        if msg.error() is None and self.scheduler.depth((msg.topic(), msg.partition())) > depth:
+            entry = self.scheduler.take_back((msg.topic(), msg.partition()))
+            self.processor.process([entry])
 
     # -- rebalances -----------------------------------------------------------------------
 

@@ -46,9 +46,6 @@ class Processor:
         self._task_of: dict[str, tuple] = {}  # request id → key in tasks
         self._cancel_requested: set[tuple] = set()
         self._preempted: set[asyncio.Task] = set()
-        #: Picked messages put back because their model's servers had no room: id(msg) →
-        #: (msg, request), so that taking one again does not decode it again.
-        self._held: dict[int, tuple] = {}
         #: The model of the last request put back this way (what a preemption must make room for).
         self.held_model: str | None = None
         self._held_rank = 0
@@ -80,40 +77,40 @@ class Processor:
         self.tasks.clear()
         self._task_of.clear()
         self._preempted.clear()
-        self._held.clear()
         self._model_of.clear()
 
     # -- a chunk ---------------------------------------------------------------------------
 
-    def process(self, msgs: list, max_start: int | None = None) -> int:
-        """Run taken messages through decoding, checks, the backend and the answer, one stage
-        at a time over the whole chunk. Returns how many were put back in their queues (listed
-        in :attr:`put_back`): their model's servers had no room, or ``max_start`` calls had
-        started already. They are taken again later, as they are.
+    def decode(self, msg) -> Request | None:
+        """A taken message's request, or None once it is dead-lettered (undecodable)."""
+        value = msg.value()
+        try:
+            if not value:
+                raise DecodeError("empty", "message has no value (empty or tombstone)")
+            return self.codec.decode_request(value)
+        except DecodeError as exc:
+            stats = self.stats
+            if not stats.consumed:
+                stats.first_consumed_at = time.perf_counter()
+            stats.consumed += 1
+            self.responder.dead_letter(msg, (msg.topic(), msg.partition()), msg.offset(), exc.reason, str(exc))
+            return None
 
-        Every message still ends in exactly one outcome: a dead letter, a rejection,
-        CANCELLED, EXPIRED, FAILED, a COMPLETED answer (``complete_now``), or a backend task.
+    def process(self, entries: list, max_start: int | None = None) -> int:
+        """Run queued requests (the scheduler's :class:`~pipeline.policy.fair_queue.Waiting`
+        entries, each holding its message and decoded request) through the checks, the backend
+        and the answer, one stage at a time over the whole chunk. Returns how many were put back
+        in their queues (listed in :attr:`put_back`): their model's servers had no room, or
+        ``max_start`` calls had started already. They are taken again later, as they are.
+
+        Every request still ends in exactly one outcome: a rejection, CANCELLED, EXPIRED,
+        FAILED, a COMPLETED answer (``complete_now``), or a backend task. (Undecodable ones
+        were dead-lettered when taken: :meth:`decode`.)
         """
         stats, responder = self.stats, self.responder
         if not stats.consumed:
             stats.first_consumed_at = time.perf_counter()
-        stats.consumed += len(msgs)
-        decode = self.codec.decode_request
-        decoded = []
-        held = self._held
-        for msg in msgs:
-            if held:
-                again = held.pop(id(msg), None)
-                if again is not None:
-                    decoded.append(again)
-                    continue
-            value = msg.value()
-            try:
-                if not value:
-                    raise DecodeError("empty", "message has no value (empty or tombstone)")
-                decoded.append((msg, decode(value)))
-            except DecodeError as exc:
-                responder.dead_letter(msg, (msg.topic(), msg.partition()), msg.offset(), exc.reason, str(exc))
+        stats.consumed += len(entries)
         started = now_ms()
         cancellations = self.session.cancellations
         seen, partial, prefix = self.recent.check, functools.partial, self.topics_prefix
@@ -122,7 +119,8 @@ class Processor:
         # Taken whose answer the backend stage fills in (or replaces by a FAILED one).
         outcomes: list = []
         runnable = []
-        for msg, request in decoded:
+        for waiting in entries:
+            msg, request = waiting.item
             tp, offset = (msg.topic(), msg.partition()), msg.offset()
             invalid = validate_request(request, started, prefix)
             if invalid is not None:
@@ -142,7 +140,7 @@ class Processor:
             if request.created_at + request.timeout_ms <= started:
                 outcomes.append(partial(responder.expire, tp, offset, request, started))
                 continue
-            entry = Taken(msg, request, None, len(outcomes))
+            entry = Taken(msg, request, None, len(outcomes), waiting)
             outcomes.append(entry)
             runnable.append(entry)
         done = []
@@ -195,18 +193,20 @@ class Processor:
             if completion is not None:
                 entry.answered = item = Answered(tp, offset, request, completion)
                 done.append(item)
+                if entry.waiting is not None:
+                    self._served(entry.waiting, completion)
                 continue
             if create_task is None:
                 create_task = asyncio.get_running_loop().create_task
             if budget is not None:
                 budget -= 1
-            self.tasks[key] = task = create_task(self._call(tp, offset, request, started, slot))
+            self.tasks[key] = task = create_task(self._call(tp, offset, request, started, slot, entry.waiting))
             if slot is not None:
                 # Released however the task ends, even cancelled before it ever ran.
                 task.add_done_callback(functools.partial(self._release_slot, slot))
             self._task_of[request.request_id] = key
             self._model_of[key] = request.model
-            call_started(key, msg, task, request.request_id)
+            call_started(key, entry.waiting, task, request.request_id)
         if waits:
             self.metrics.waited_many(waits, started)
         if back:
@@ -214,14 +214,12 @@ class Processor:
         return len(back)
 
     def _put_back(self, entries: list) -> None:
-        """Requests whose model's servers have no free slot: back to the head of their queues, in
-        their order, decoded (taken again, they are not decoded again, nor counted again)."""
-        put_back, held = self.scheduler.put_back, self._held
+        """Requests whose model's servers have no free slot: back in their places in their
+        queues (taken again, they are not counted again)."""
+        put_back = self.scheduler.put_back
         for entry in reversed(entries):
-            msg = entry.msg
-            held[id(msg)] = (msg, entry.request)
-            put_back((msg.topic(), msg.partition()), msg)
-            self.put_back.append(msg)
+            put_back(entry.waiting)
+            self.put_back.append(entry.waiting)
         # The most urgent of them is the one a preemption would make room for.
         urgent = min(entries, key=lambda e: e.request.serving_priority.rank).request
         if self.held_model is None or urgent.serving_priority.rank < self._held_rank:
@@ -249,7 +247,12 @@ class Processor:
 
     # -- backend calls -----------------------------------------------------------------------
 
-    async def _call(self, tp, offset: int, request: Request, started: int, slot=None) -> None:
+    def _served(self, waiting, completion) -> None:
+        """A request was served: its tenant's fair-queue counter learns the real usage."""
+        cost = self.scheduler.settle(waiting, completion.prompt_tokens, completion.completion_tokens)
+        self.metrics.served(waiting.tenant, self.scheduler.rank_of(waiting.partition[0]), cost)
+
+    async def _call(self, tp, offset: int, request: Request, started: int, slot=None, waiting=None) -> None:
         self.metrics.inflight_child.inc()
         t0 = time.perf_counter()
         key = (tp, offset)
@@ -277,6 +280,8 @@ class Processor:
         except Exception as exc:  # a backend bug must not lose the request
             self.responder.backend_failed(tp, offset, request, started, exc, self.backend.name)
         else:
+            if waiting is not None:
+                self._served(waiting, completion)
             self.responder.completed_many([Answered(tp, offset, request, completion)], started,
                                           time.perf_counter() - t0)
         finally:
@@ -331,9 +336,6 @@ class Processor:
                 task.cancel()
                 self.tasks.pop(key, None)
                 self._model_of.pop(key, None)
-        for ident, (msg, _) in list(self._held.items()):
-            if (msg.topic(), msg.partition()) in partitions:  # dropped from the queues too
-                del self._held[ident]
 
     async def stop_all(self) -> None:
         """Cancel every running call and wait for them: what is unanswered is handed back."""

@@ -46,6 +46,8 @@ class Taken:
     request: Request
     answered: Answered | None
     index: int
+    #: Its entry in its band's fair queue (pipeline/policy/fair_queue.py), or None.
+    waiting: Any = None
 
 
 def rd_partition(partition: int | None) -> int:

@@ -1,25 +1,34 @@
 """Which taken request starts next, and which running call gives its slot away.
 
-Taken messages wait in one queue per band (:class:`~pipeline.worker.backlog.PartitionQueues`,
-served partition by partition in turn: tenants are spread over partitions). The band to serve
-next is the :class:`~pipeline.policy.bands.BandScheduler`'s: strict priority, except for a
-lower band below its minimum share.
+Taken requests wait in one :class:`~pipeline.policy.fair_queue.FairQueue` per band: weighted
+fair queuing between tenants by tokens (virtual token counters), earliest deadline first inside
+a tenant, whatever partition a tenant's key hashed to. The band to serve next is the
+:class:`~pipeline.policy.bands.BandScheduler`'s: strict priority, except for a lower band below
+its minimum share. The worker reads ahead (``worker.lookahead_requests`` per partition,
+``worker.lookahead_bytes`` in all) so that the choice is made over everyone who waits.
 
 While every backend slot is busy, a request waiting in a higher band may take the slot of a
 running call of a preemptible band (``worker.preempt_bands``); failing that, a request whose
 tenant runs no call in its band may take the slot of a tenant running two or more there
-(``worker.fair_preemption``). The call cancelled goes back to its partition's queue and runs
-again later; its offset stays taken and unfinished meanwhile, so nothing is committed past it.
+(``worker.fair_preemption``). The call cancelled goes back to its queue and runs again later;
+its offset stays taken and unfinished meanwhile, so nothing is committed past it.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 from pipeline.config import Settings
-from pipeline.models import BANDS, LOWEST_RANK, Priority
+from pipeline.models import BANDS, LOWEST_RANK, NOT_BEFORE_HEADER, Priority, Request, now_ms
 from pipeline.observability.metrics import WorkerMetrics
 from pipeline.policy.bands import BandScheduler
-from pipeline.worker.backlog import PartitionQueues
+from pipeline.policy.fair_queue import FairQueue, Waiting, request_cost
+from pipeline.policy.tokens import estimate_tokens
 from pipeline.worker.state import WorkerStats
+
+#: What a queued request takes in memory beyond its record's bytes (its decoded form, the
+#: message object, the queue's entry): a rough figure, for worker.lookahead_bytes.
+ENTRY_OVERHEAD_BYTES = 1024
 
 
 def topic_bands(settings: Settings) -> dict[str, Priority]:
@@ -30,18 +39,35 @@ def topic_bands(settings: Settings) -> dict[str, Priority]:
     return bands
 
 
+def not_before_of(msg) -> int:
+    """The time before which the gateway asked that this request not start (0: none)."""
+    headers = msg.headers()
+    if headers:
+        for name, value in headers:
+            if name == NOT_BEFORE_HEADER and value:
+                try:
+                    return int(value)
+                except ValueError:
+                    return 0
+    return 0
+
+
 class Scheduler:
-    def __init__(self, settings: Settings, topics: list[str], stats: WorkerStats, metrics: WorkerMetrics):
+    def __init__(self, settings: Settings, topics: list[str], stats: WorkerStats, metrics: WorkerMetrics,
+                 weight_of: Callable[[str], float] | None = None):
         cfg = settings.worker
         self.cfg = cfg
         self.stats = stats
         self.metrics = metrics
         self.rank = {topic: band.rank for topic, band in topic_bands(settings).items()}
         self.bands = BandScheduler([cfg.band_min_share.get(p.value, 0.0) for p in BANDS])
-        self.queues = [PartitionQueues() for _ in BANDS]
-        #: Per partition. A partition whose queue is full is paused (flow.py), so librdkafka's
-        #: shared fetch queue never holds higher-band work behind it.
-        self.cap = max(2 * cfg.max_inflight, 64)
+        configured = cfg.tenant_weights
+        self.weight_of = (lambda tenant: configured.get(tenant) or (weight_of(tenant) if weight_of else 1.0))
+        self.queues = [FairQueue(self.weight_of) for _ in BANDS]
+        #: Per partition, in requests: past it (or past lookahead_bytes in all) a partition is
+        #: paused (flow.py), so librdkafka's shared fetch queue never holds higher-band work behind it.
+        self.cap = cfg.lookahead_requests
+        self.cap_bytes = cfg.lookahead_bytes
         #: Partitions whose queue reached the cap this turn (flow.py pauses those still full
         #: once the free slots are filled).
         self.deep: set[tuple[str, int]] = set()
@@ -51,24 +77,24 @@ class Scheduler:
         self.preemptible = frozenset(r for r in (Priority[b].rank for b in cfg.preempt_bands)
                                      if r in consumed and any(c < r for c in consumed))
         # Running calls that may give their slot to a waiting request of a higher band:
-        # key → (band rank, start order, message, task, request id).
+        # key → (band rank, start order, entry, task, request id).
         self.victims: dict[tuple, tuple] = {}
         self.preempt_counts: dict[tuple, int] = {}  # key → times preempted so far
         self._starts = 0
-        # Fairness inside a band: running calls by (band rank, tenant key), each key → (start
-        # order, message, task, request id); how many of those run two or more.
+        # Fairness inside a band: running calls by (band rank, tenant), each key → (start
+        # order, entry, task, request id); how many of those run two or more.
         self._fair = cfg.fair_preemption
         self.by_tenant: dict[tuple, dict[tuple, tuple]] = {}
-        self.tenant_of_call: dict[tuple, tuple] = {}  # key → (band rank, tenant key)
+        self.tenant_of_call: dict[tuple, tuple] = {}  # key → (band rank, tenant)
         self.crowded = 0
-        self._owed: set[int] = set()  # id() of the messages of the chunk in hand started on a minimum share
+        self._owed: set[int] = set()  # id() of the entries of the chunk in hand started on a minimum share
 
     def rank_of(self, topic: str) -> int:
         return self.rank.get(topic, LOWEST_RANK)
 
     def reset(self) -> None:
         """Forget every queued message and running call (a session starting over)."""
-        self.queues = [PartitionQueues() for _ in BANDS]
+        self.queues = [FairQueue(self.weight_of) for _ in BANDS]
         self.deep.clear()
         self.victims.clear()
         self.preempt_counts.clear()
@@ -78,56 +104,93 @@ class Scheduler:
 
     # -- the queues ------------------------------------------------------------------------
 
-    def add(self, tp: tuple[str, int], msg) -> None:
-        """Queue a taken message in its band."""
-        if self.queues[self.rank.get(tp[0], LOWEST_RANK)].append(tp, msg) >= self.cap:
+    @property
+    def queued_bytes(self) -> int:
+        return sum(q.bytes for q in self.queues)
+
+    def add(self, tp: tuple[str, int], msg, request: Request) -> None:
+        """Queue a taken, decoded message in its band."""
+        queue = self.queues[self.rank.get(tp[0], LOWEST_RANK)]
+        value = msg.value()
+        entry = Waiting((msg, request), request.tenant_id, tp, request.created_at + request.timeout_ms,
+                        request_cost(estimate_tokens(request.prompt), request.max_tokens), not_before_of(msg),
+                        (len(value) if value else 0) + ENTRY_OVERHEAD_BYTES)
+        if queue.push(entry, now_ms()) >= self.cap or self.queued_bytes >= self.cap_bytes:
             self.deep.add(tp)
+
+    def over(self, tp: tuple[str, int]) -> bool:
+        """Whether ``tp`` holds its cap of requests, or every band together holds the bytes' cap."""
+        return (self.queues[self.rank.get(tp[0], LOWEST_RANK)].depth(tp) >= self.cap
+                or self.queued_bytes >= self.cap_bytes)
+
+    def drained(self, tp: tuple[str, int]) -> bool:
+        """Whether a paused ``tp`` may fetch again: down to half its cap, and half the bytes in all."""
+        queue = self.queues[self.rank.get(tp[0], LOWEST_RANK)]
+        return queue.depth(tp) <= self.cap // 2 and self.queued_bytes <= self.cap_bytes // 2
 
     def depth(self, tp: tuple[str, int]) -> int:
         return self.queues[self.rank.get(tp[0], LOWEST_RANK)].depth(tp)
 
-    def take_back(self, tp: tuple[str, int]):
-        """The message :meth:`add` just queued for ``tp``."""
-        return self.queues[self.rank.get(tp[0], LOWEST_RANK)].pop_last(tp)
+    def take_back(self, tp: tuple[str, int]) -> Waiting | None:
+        """The entry :meth:`add` just queued for ``tp``."""
+        return self.queues[self.rank.get(tp[0], LOWEST_RANK)].remove_last()
 
-    def next_chunk(self, room: int) -> list:
-        """Up to ``room`` queued messages, in the order the band scheduler picks them one by one.
+    def next_chunk(self, room: int) -> list[Waiting]:
+        """Up to ``room`` queued requests, in the order the band scheduler and the bands' fair
+        queues pick them one by one, each charged to its tenant.
 
         Picking ahead changes nothing: nothing is taken while the chunk is processed, and
-        processing touches neither the queues nor the band scheduler. :meth:`chunk_done` once
-        the chunk's calls are started.
+        processing touches neither the queues nor the band scheduler (what does not start is
+        :meth:`put_back`, its charge given back). :meth:`chunk_done` once the chunk's calls
+        are started.
         """
         queues, pick, record, owed = self.queues, self.bands.pick, self.bands.record, self._owed
+        now = now_ms()
         chunk: list = []
         while len(chunk) < room:
-            busy = [q.size > 0 for q in queues]
+            busy = [q.size > 0 and q.has_ready(now) for q in queues]
             band = pick(busy)
             if band is None:
                 break
             if busy.count(True) == 1:
                 # The only band with work: every pick would choose it.
                 queue = queues[band]
-                while queue.size and len(chunk) < room:
+                while len(chunk) < room:
+                    entry = queue.pop(now)
+                    if entry is None:
+                        break
                     record(band)
-                    chunk.append(queue.popleft())
+                    chunk.append(entry)
                 continue
             record(band)
-            msg = queues[band].popleft()
+            entry = queues[band].pop(now)
             if band != busy.index(True):
                 # Started on its band's minimum share: preempting it would take back the
                 # share the band scheduler has just counted as given.
-                owed.add(id(msg))
-            chunk.append(msg)
+                owed.add(id(entry))
+            chunk.append(entry)
         return chunk
 
     def chunk_done(self) -> None:
         self._owed.clear()
 
-    def put_back(self, tp: tuple[str, int], msg) -> None:
-        """A picked message whose model's servers had no room after all: back at the head of its
-        partition's queue, where it keeps its band and its place, and waits its partition's
-        turn (others' requests for models with room are not held up behind it)."""
-        self.queues[self.rank.get(tp[0], LOWEST_RANK)].appendleft(tp, msg, turn_first=False)
+    def put_back(self, entry: Waiting) -> None:
+        """A picked request whose model's servers had no room after all: back in its place in
+        its band's queue, its tenant's charge for it given back."""
+        self.queues[self.rank.get(entry.partition[0], LOWEST_RANK)].put_back(entry)
+
+    def settle(self, entry: Waiting, prompt_tokens: int, completion_tokens: int) -> float:
+        """``entry``'s request was served with this usage: its tenant's counter is corrected from
+        the estimate it was charged. Returns the real cost."""
+        cost = request_cost(prompt_tokens, completion_tokens)
+        self.queues[self.rank.get(entry.partition[0], LOWEST_RANK)].settle(entry.tenant, cost - entry.cost)
+        entry.cost = cost
+        return cost
+
+    def next_ready_at(self) -> float | None:
+        """When the earliest request shaped by the gateway may start (None: nothing waits for its time)."""
+        times = [t for t in (q.next_ready_at() for q in self.queues) if t is not None]
+        return min(times) if times else None
 
     def drop(self, partitions: set) -> None:
         """Forget what ``partitions`` queued and run: taken but uncommitted, their next owner runs it."""
@@ -142,17 +205,15 @@ class Scheduler:
 
     # -- running calls ---------------------------------------------------------------------
 
-    def call_started(self, key: tuple, msg, task, request_id: str) -> None:
-        """A backend call for ``msg`` (``key``: (tp, offset)) runs as ``task``."""
+    def call_started(self, key: tuple, entry: Waiting, task, request_id: str) -> None:
+        """A backend call for ``entry`` (``key``: (tp, offset)) runs as ``task``."""
         rank = self.rank.get(key[0][0], LOWEST_RANK)
         self._starts += 1
-        if rank in self.preemptible and id(msg) not in self._owed and \
+        if rank in self.preemptible and id(entry) not in self._owed and \
                 self.preempt_counts.get(key, 0) < self.cfg.max_preemptions:
-            self.victims[key] = (rank, self._starts, msg, task, request_id)
+            self.victims[key] = (rank, self._starts, entry, task, request_id)
         if self._fair:
-            tenant = msg.key()
-            if tenant is not None:
-                self._track_call(key, rank, tenant, (self._starts, msg, task, request_id))
+            self._track_call(key, rank, entry.tenant, (self._starts, entry, task, request_id))
 
     def call_ended(self, key: tuple, task) -> None:
         """``task``, the call of ``key``, ended (answered, failed or cancelled)."""
@@ -183,30 +244,32 @@ class Scheduler:
         ``accept(key)``: whether the call of ``key`` holds a slot the waiting request can use
         (a model server of its model); None: every call does.
         """
-        band = self.bands.pick([q.size > 0 for q in self.queues])
+        now = now_ms()
+        band = self.bands.pick([q.size > 0 and q.has_ready(now) for q in self.queues])
         if band is None:
             return None
         victim = None
         for key, entry in self.victims.items():
             if entry[0] > band and (victim is None or entry[:2] > victim[1][:2]) and (accept is None or accept(key)):
                 victim = (key, entry)
-        turn_first = True
         if victim is None:
-            victim = self._crowding_call(band, accept) if self.crowded else None
+            victim = self._crowding_call(band, now, accept) if self.crowded else None
             if victim is None:
                 return None
-            turn_first = False
             self.stats.preempted_in_band += 1
-        key, (rank, _, msg, task, request_id) = victim
+            refund = False  # its tenant holds more than its share: the slot time it used is its own
+        else:
+            refund = True  # made way for a higher band: charged again when it runs again
+        key, (rank, _, entry, task, request_id) = victim
         self.victims.pop(key, None)
         self._forget_call(key)
         self.preempt_counts[key] = self.preempt_counts.get(key, 0) + 1
-        self.queues[rank].appendleft(key[0], msg, turn_first=turn_first)
+        self.queues[rank].put_back(entry, refund=refund)
         self.stats.preempted += 1
         self.metrics.preemptions.labels(BANDS[rank].value).inc()
         return key, task, request_id
 
-    def _crowding_call(self, band: int, accept=None):
+    def _crowding_call(self, band: int, now: float, accept=None):
         """When the request ``band`` serves next is of a tenant running no call in that band
         while another tenant runs two or more there: the latest-started of those calls that may
         still be preempted, as (key, (band, start order, message, task, request id)), else None.
@@ -214,11 +277,10 @@ class Scheduler:
         A call from the waiting request's own partition is never chosen: it would go back
         ahead of the request and be taken again in its place.
         """
-        head = self.queues[band].peek()
-        tenant = head.key()
-        if tenant is None or (band, tenant) in self.by_tenant:
+        head = self.queues[band].peek(now)
+        if head is None or (band, head.tenant) in self.by_tenant:
             return None
-        partition = (head.topic(), head.partition())
+        partition = head.partition
         limit, counts = self.cfg.max_preemptions, self.preempt_counts
         best = None
         for (rank, _), calls in self.by_tenant.items():

@@ -59,6 +59,7 @@ requests = 100000
 window_ms = 1000
 requests = {RATE_PER_S}
 burst = {BURST}
+over = "refuse"
 """
 
 

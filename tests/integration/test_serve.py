@@ -302,7 +302,7 @@ def test_a_new_limit_in_the_registry_holds_at_the_gateway_within_2s(stack):
     from pipeline.config.gateway import RateLimitSettings
 
     registry.publish(TenantRecord("tuned", key_hashes=(hash_key(key),),
-                                  limits=(RateLimitSettings("one_per_window", 300_000, requests=1),)))
+                                  limits=(RateLimitSettings("one_per_window", 300_000, requests=1, over="refuse"),)))
     written = time.monotonic()
     while True:
         try:

@@ -31,6 +31,7 @@ max_timeout_ms = 600000
 [gateway.limits.long_window]
 window_ms = 300000
 requests = {requests}
+over = "refuse"
 
 [gateway.tenant_outstanding]
 CRITICAL = 0
@@ -260,7 +261,7 @@ def test_a_shadow_limit_is_counted_and_never_enforced(dispatch_settings, tmp_pat
 
     port = free_port()
     toml = GATEWAY_TOML.format(requests=1000).replace("web_port = 0", f"web_port = {port}")
-    toml += "\n[gateway.shadow.limits.long_window]\nwindow_ms = 300000\nrequests = 2\n"
+    toml += "\n[gateway.shadow.limits.long_window]\nwindow_ms = 300000\nrequests = 2\nover = \"refuse\"\n"
     s = dispatch_settings
     reqs = [Request.new("trial", f"r{i}", timeout_ms=600_000) for i in range(6)]
     with running_gateway(s, tmp_path, toml=toml), running_worker(s), LlmqClient(s) as client:

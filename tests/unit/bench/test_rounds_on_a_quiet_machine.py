@@ -18,21 +18,33 @@ def _stand_ins(monkeypatch, gateway_bench, steals):
 
 def test_a_fairness_round_with_steal_on_either_side_is_set_aside_and_made_again(bench_run, monkeypatch, tmp_path):
     gateway_bench = importlib.import_module("gateway_bench")
-    # round 2's flooded half and round 5's alone half were stolen from
-    _stand_ins(monkeypatch, gateway_bench, [0.1, 0.2, 0.3, 9.0] + [0.1] * 6 + [25.0, 0.1] + [0.1] * 8)
+    fairness_bench = importlib.import_module("fairness_bench")
+    # Each round measures four halves (another partition alone, flooded; the flooder's partition
+    # alone, flooded). Round 2's last flooded half and round 4's first alone half were stolen from.
+    steals = [0.1] * 4 + [0.1, 0.1, 0.1, 9.0] + [0.1] * 4 + [25.0, 0.1, 0.1, 0.1] + [0.1] * 12
+    _stand_ins(monkeypatch, gateway_bench, steals)
     half = itertools.count(1)
-    monkeypatch.setattr(gateway_bench, "_quiet_waits", lambda settings, logs, flooder, fifo=False: (
+    monkeypatch.setattr(gateway_bench, "_quiet_waits", lambda settings, logs, flooder, fifo=False, quiet="q": (
         [1000.0 if fifo else float(next(half))] * 10, {"capacity_per_s": 200.0}))
-    monkeypatch.setattr(gateway_bench, "_jain", lambda settings, tmp: 0.9)
+    monkeypatch.setattr(gateway_bench, "quiet_tenant", lambda settings, same_partition: f"q-{same_partition}")
+    monkeypatch.setattr(fairness_bench, "fairness_shares", lambda settings, rounds: {
+        "weights_2_to_1": [{"ratio": 2.0}] * 3, "long_answers_10x": [{"ratio": 1.0}] * 3,
+        "ten_tenants": [{"jain_index": 0.99}] * 3})
+    monkeypatch.setattr(fairness_bench, "burst", lambda settings, over: {"statuses": {over: 1}})
+    monkeypatch.setattr(fairness_bench, "worker_killed", lambda settings: {"lost": 0})
     result = gateway_bench.tenant_fairness(None, None)
     assert result["quiet_machine"] is True and result["steal_limit_pct"] == 2.0
-    assert result["alone_runs_ms"] == [1, 5, 7, 9, 13, 15, 17]
+    assert result["another_partition"]["alone_runs_ms"] == [1, 9, 17, 21, 25]
+    assert result["same_partition"]["flood_runs_ms"] == [4, 12, 20, 24, 28]
     assert result["set_aside_for_steal"] == [
-        {"alone": 3, "flood": 4, "alone_steal_pct": 0.3, "flood_steal_pct": 9.0},
-        {"alone": 11, "flood": 12, "alone_steal_pct": 25.0, "flood_steal_pct": 0.1}]
-    assert result["flood_runs_steal_pct"] == [0.2] + [0.1] * 6
+        {"alone_other": 5, "flood_other": 6, "alone_same": 7, "flood_same": 8, "alone_steal_pct": 0.1,
+         "flood_steal_pct": 9.0},
+        {"alone_other": 13, "flood_other": 14, "alone_same": 15, "flood_same": 16, "alone_steal_pct": 25.0,
+         "flood_steal_pct": 0.1}]
     # Each kept round has its FIFO baseline beside the same flooder.
-    assert result["baseline_fifo_runs_ms"] == [1000.0] * 7 and result["baseline_fifo_p99_with_flooder_ms"] == 1000.0
+    assert result["baseline_fifo_runs_ms"] == [1000.0] * 5 and result["baseline_fifo_p99_with_flooder_ms"] == 1000.0
+    assert result["weights_2_to_1"]["served_tokens_ratio"] == 2.0 and result["jain_index"] == 0.99
+    assert result["burst"]["shaped"] == {"statuses": {"delay": 1}} and result["worker_killed"] == {"lost": 0}
 
 
 def test_priority_isolation_keeps_three_quiet_rounds_each_with_its_fifo_baseline(bench_run, monkeypatch):

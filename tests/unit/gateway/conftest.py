@@ -88,7 +88,7 @@ def gw():
     seen = SeenDecisions(seen_table, ownership, horizon_ms=10_000)
     outputs = Outputs(log)
     checkpoint = DecisionCheckpoint(FaustProducer(log), tenants, seen, outputs, state_every_s=0.0)
-    admission = Admission(PriorityPolicy(), RateLimits([RateLimitSettings("s", 60_000, requests=3)]),
+    admission = Admission(PriorityPolicy(), RateLimits([RateLimitSettings("s", 60_000, requests=3, over="refuse")]),
                           FairnessQuotas({}, floor=Priority.LOW), QueueModel([0] * len(BANDS)), DegradePolicy())
     metrics = GatewayMetrics()
     codec = Codec.default()

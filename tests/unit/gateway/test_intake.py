@@ -274,7 +274,7 @@ def test_a_shadow_policy_is_counted_beside_the_real_one_and_never_enforced(gw):
     from pipeline.policy.shadow import Shadow
 
     real = gw.admission
-    gw.intake.shadow = Shadow(Admission(PriorityPolicy(), RateLimits([RateLimitSettings("s", 60_000, requests=1)]),
+    gw.intake.shadow = Shadow(Admission(PriorityPolicy(), RateLimits([RateLimitSettings("s", 60_000, requests=1, over="refuse")]),
                                         FairnessQuotas({}), CappedView(real.queues, [0] * 5), DegradePolicy()))
     sent = handled(gw, *(gw.request_event(Request.new("acme", f"p{i}", timeout_ms=600_000)) for i in range(4)))
     statuses = [gw.codec.decode_response(v).status for t, v in sent if t == gw.settings.topics.responses]

@@ -17,7 +17,7 @@ from pipeline.tenants.registry import TenantRegistry
 
 RECORDS = {
     "acme": {"tier": "enterprise", "max_priority": "HIGH", "models": ["small"],
-             "limits": {"tight": {"window_ms": 60_000, "requests": 2}}},
+             "limits": {"tight": {"window_ms": 60_000, "requests": 2, "over": "refuse"}}},
     "banned": {"enabled": False},
     "capped": {"outstanding": {"NORMAL": 1}},
 }

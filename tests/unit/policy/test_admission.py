@@ -59,7 +59,7 @@ def test_the_server_maximum_shortens_a_longer_client_timeout():
 
 
 def test_rate_limited_says_which_limit_and_when_and_charges_nothing_else():
-    adm, state = make(limits=[Limit("per_second", 1_000, requests=1)]), TenantState()
+    adm, state = make(limits=[Limit("per_second", 1_000, requests=1, over="refuse")]), TenantState()
     assert adm.decide(req(), NOW, state).action is Action.DISPATCH
     d = adm.decide(req(), NOW + 250, state)
     assert d.action is Action.REJECT and d.reason.startswith("rate_limited: limit per_second")
@@ -156,7 +156,7 @@ def test_a_finished_request_frees_its_quota_and_refunds_its_unused_tokens():
 def test_a_request_read_after_later_ones_meets_the_buckets_as_they_are_not_their_debts():
     # Five band topics are not read in arrival order: after a failover, a band's backlog comes
     # behind another band's fresh requests. 100 requests a second, burst 100: room for all of them.
-    adm, state = make(limits=[Limit("s", 1_000, requests=100, burst=100)]), TenantState()
+    adm, state = make(limits=[Limit("s", 1_000, requests=100, burst=100, over="refuse")]), TenantState()
     fresh = [adm.decide(req(prompt=f"f{i}"), NOW, state, arrived_ms=NOW) for i in range(50)]
     backlog = [adm.decide(req(prompt=f"b{i}", priority=Priority.LOW), NOW, state, arrived_ms=NOW - 10_000 + i * 100)
                for i in range(40)]
@@ -165,3 +165,28 @@ def test_a_request_read_after_later_ones_meets_the_buckets_as_they_are_not_their
     more = [adm.decide(req(prompt=f"m{i}"), NOW, state, arrived_ms=NOW - 5_000) for i in range(20)]
     assert [d.action for d in more].count(Action.DISPATCH) == 10
     assert state.clock == NOW
+
+
+def test_over_a_delay_limit_a_burst_is_admitted_to_start_at_the_limits_pace():
+    adm, state = make(limits=[Limit("s", 1_000, requests=10, burst=5)]), TenantState()
+    decisions = [adm.decide(req(prompt=f"b{i}", timeout_ms=60_000), NOW, state, arrived_ms=NOW) for i in range(30)]
+    assert all(d.action is Action.DISPATCH for d in decisions)
+    starts = [d.not_before_ms or NOW for d in decisions]
+    assert starts[:5] == [NOW] * 5  # the burst at once
+    assert starts == sorted(starts)  # in order
+    # Then one every 100 ms: no interval holds more than rate x interval + burst.
+    assert [b - a for a, b in zip(starts[5:], starts[6:])] == [100] * 24
+    for i, start in enumerate(starts):
+        assert sum(1 for s in starts if start <= s < start + 1_000) <= 10 + 5
+    assert any("shaped" in note for note in decisions[-1].notes) and decisions[-1].eta_ms >= 2_400
+
+
+def test_a_delay_past_the_deadline_or_the_longest_delay_is_refused_with_retry_after():
+    adm, state = make(limits=[Limit("s", 1_000, requests=1)]), TenantState()
+    assert adm.decide(req(timeout_ms=60_000), NOW, state).action is Action.DISPATCH
+    d = adm.decide(req(timeout_ms=500), NOW, state)  # would start in 1 s, its deadline is in 0.5 s
+    assert d.action is Action.REJECT and d.reason.startswith("rate_limited") and d.retry_after_ms == 1_000
+    adm.max_delay_ms = 2_000
+    waits = [adm.decide(req(timeout_ms=60_000), NOW, state) for _ in range(4)]
+    assert [d.action for d in waits] == [Action.DISPATCH, Action.DISPATCH, Action.REJECT, Action.REJECT]
+    assert [d.not_before_ms - NOW for d in waits[:2]] == [1_000, 2_000]

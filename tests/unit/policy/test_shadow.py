@@ -28,7 +28,7 @@ def pair(real_limits, shadow_limits, shadow_queue_caps=None, shadow_caps=None):
 
 
 def test_a_tighter_shadow_rate_refuses_what_the_real_policy_admits_and_changes_nothing_real():
-    real, shadow, queues = pair([Limit("s", 1_000, requests=100)], [Limit("s", 1_000, requests=2)])
+    real, shadow, queues = pair([Limit("s", 1_000, requests=100)], [Limit("s", 1_000, requests=2, over="refuse")])
     state = TenantState()
     verdicts = []
     for i in range(5):
@@ -46,7 +46,7 @@ def test_a_tighter_shadow_rate_refuses_what_the_real_policy_admits_and_changes_n
 
 
 def test_the_shadow_refuses_with_the_real_policys_reasons_and_retry_after():
-    _, shadow, _ = pair([], [Limit("per_second", 1_000, requests=1)])
+    _, shadow, _ = pair([], [Limit("per_second", 1_000, requests=1, over="refuse")])
     state = TenantState()
     assert shadow.judge(req(), NOW, state).action is Action.DISPATCH
     d = shadow.judge(req(), NOW + 250, state)

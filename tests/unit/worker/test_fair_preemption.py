@@ -11,7 +11,6 @@ import asyncio
 
 from pipeline.models import Priority, Request, Status
 from pipeline.testing import FakeMessage
-from pipeline.worker.backlog import PartitionQueues
 from pipeline.worker.loop import Worker
 from tests.unit.worker.test_preemption import CODEC, answers, make_worker, settle
 
@@ -120,8 +119,22 @@ def test_a_call_from_the_waiting_requests_own_partition_is_not_taken():
     _nothing_preempted(make_worker(max_inflight=2), [("flooder", 1), ("flooder", 1)], [("quiet", 1)])
 
 
-def test_messages_without_a_key_are_not_told_apart_by_tenant():
-    _nothing_preempted(make_worker(max_inflight=2), [("flooder", 1), ("flooder", 1)], [("quiet", 2)], key=None)
+def test_messages_without_a_key_are_told_apart_by_their_requests_tenant():
+    # The tenant is the request's tenant_id, not the message key (any Kafka client may write requests).
+    async def run():
+        worker = make_worker(max_inflight=2)
+        offsets = {}
+        take(worker, "flooder", 1, offsets, key=None)
+        take(worker, "flooder", 1, offsets, key=None)
+        assert worker.dispatch() == 2
+        await settle()
+        take(worker, "quiet", 2, offsets, key=None)
+        assert worker.dispatch() == 1
+        await settle()
+        assert worker.stats.preempted_in_band == 1
+        await stop_all(worker)
+
+    asyncio.run(run())
 
 
 def test_fair_preemption_off_keeps_every_running_call():
@@ -173,11 +186,3 @@ def test_revoking_a_partition_forgets_its_tenants_calls():
         await stop_all(worker)
 
     asyncio.run(run())
-
-
-def test_put_back_behind_the_others_and_peek():
-    queues = PartitionQueues()
-    queues.append("p1", "quiet")
-    queues.appendleft("p0", "flooder", turn_first=False)
-    assert queues.peek() == "quiet"
-    assert [queues.popleft() for _ in range(2)] == ["quiet", "flooder"]

@@ -16,7 +16,6 @@ from pipeline.models import Priority, Request, Status
 from pipeline.serde import Codec
 from pipeline.testing import FakeMessage
 from pipeline.worker.backends.simulated import SimulatedBackend
-from pipeline.worker.backlog import PartitionQueues
 from pipeline.worker.loop import Worker
 from tests.unit.worker.test_admission_fuzz import FakeProducer
 
@@ -230,18 +229,6 @@ def test_preempt_bands_are_checked_at_start(bands, message):
     assert message in str(info.value)
 
 
-def test_appendleft_puts_an_item_back_first_in_line():
-    queues = PartitionQueues()
-    queues.append("p0", "a")
-    queues.append("p1", "b")
-    queues.appendleft("p1", "x")
-    assert queues.size == 3
-    assert [queues.popleft() for _ in range(3)] == ["a", "x", "b"]
-    queues.appendleft("p2", "y")  # an empty partition's item is served next
-    queues.append("p3", "z")
-    assert [queues.popleft() for _ in range(2)] == ["y", "z"]
-
-
 @pytest.mark.parametrize("pool, preemptible", [("all", {"LOW", "BACKGROUND"}), ("async", {"LOW"}),
                                                ("background", set()), ("realtime", set())])
 def test_only_bands_below_one_the_pool_consumes_are_preemptible(pool, preemptible):
@@ -256,7 +243,7 @@ def test_a_message_waits_in_the_band_of_its_topic_whichever_the_source(source):
     for band in Priority:
         topic = (topics.dispatch_topic if source == "dispatch" else topics.request_topic)(band)
         assert topic in worker.topics
-        worker.scheduler.add((topic, 0), object())
+        worker.scheduler.add((topic, 0), FakeMessage(topic, 0, 0, b"x", b"t"), Request.new("t", "p", priority=band))
         assert worker.scheduler.queues[band.rank].size == 1
     assert {p.value for p in Priority if p.rank in worker.scheduler.preemptible} == {"LOW", "BACKGROUND"}
 

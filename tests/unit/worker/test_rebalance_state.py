@@ -79,11 +79,30 @@ def test_exactly_once_outcomes_of_a_lost_or_revoked_partition_are_dropped_not_pu
     assert worker.checkpoint.ready == {}
 
 
+_VALUE = None
+
+
+def _value():
+    global _VALUE
+    if _VALUE is None:
+        from pipeline.models import Request
+        from pipeline.serde import Codec
+
+        _VALUE = Codec.default().encode_request(Request.new("t", "deep", priority=Priority.BACKGROUND))
+    return _VALUE
+
+
 class FakeMessage:
     def __init__(self, topic, partition, offset):
         self._tp, self._offset = (topic, partition), offset
 
     def error(self):
+        return None
+
+    def value(self):
+        return _value()
+
+    def headers(self):
         return None
 
     def topic(self):
@@ -97,6 +116,7 @@ class FakeMessage:
 
 
 def _take_a_deep_fetch(worker, topic):
+    worker.scheduler.cap = 64  # worker.lookahead_requests, small for the test
     worker.consumer.assigned = [TopicPartition(topic, 0)]
     for offset in range(worker.scheduler.cap + 10):
         worker.take(FakeMessage(topic, 0, offset))
@@ -109,7 +129,7 @@ def test_a_partition_whose_deep_fetch_is_started_at_once_stays_unpaused():
     topic = worker.settings.topics.request_topic(Priority.BACKGROUND)
     queue = _take_a_deep_fetch(worker, topic)
     while queue:
-        queue.popleft()  # what dispatch does when the backend answers at once
+        queue.pop(float("inf"))  # what dispatch does when the backend answers at once
     worker.flow.pause_deep()
     assert worker.consumer.paused == set()
 
@@ -121,7 +141,7 @@ def test_a_partition_whose_queue_is_still_full_after_dispatch_is_paused_and_resu
     worker.flow.pause_deep()
     assert worker.consumer.paused == {(topic, 0)}
     while len(queue) > worker.scheduler.cap // 2:
-        queue.popleft()
+        queue.pop(float("inf"))
     worker.flow.resume_drained()
     assert worker.consumer.paused == set()
 
@@ -155,3 +175,22 @@ def test_a_lost_partition_that_comes_back_runs_its_uncommitted_requests_again():
         assert worker.checkpoint.tracker.to_commit() == [(tp, 1)]
 
     asyncio.run(run())
+
+
+def test_the_bytes_read_ahead_are_bounded_over_every_partition():
+    worker = _worker()
+    topic = worker.settings.topics.request_topic(Priority.BACKGROUND)
+    worker.consumer.assigned = [TopicPartition(topic, p) for p in range(3)]
+    worker.scheduler.cap_bytes = 20 * (len(_value()) + 1024)  # worker.lookahead_bytes: 20 requests' worth
+    offsets = {}
+    for i in range(30):
+        p = i % 3
+        offsets[p] = offsets.get(p, -1) + 1
+        worker.take(FakeMessage(topic, p, offsets[p]))
+    worker.flow.pause_deep()
+    assert worker.consumer.paused  # the partitions that kept coming past the bound
+    queue = worker.scheduler.queues[Priority.BACKGROUND.rank]
+    while queue.size > 10:
+        queue.pop(float("inf"))
+    worker.flow.resume_drained()
+    assert worker.consumer.paused == set()
