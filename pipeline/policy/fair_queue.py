@@ -173,12 +173,18 @@ class FairQueue:
             return ready[0][2]
         return None
 
-    def put_back(self, entry: Waiting, refund: bool = True) -> None:
+    def put_back(self, entry: Waiting, refund: bool = True, behind: Hashable | None = None) -> None:
         """A picked request that did not run after all (no room on its model's servers, or
-        preempted): back in its place, the charge for it given back (``refund``)."""
+        preempted): back in its place, the charge for it given back (``refund``). ``behind``: a
+        tenant it made way for, which must still go first; the charge is given back only down to
+        that tenant's counter."""
         t = self._tenants.get(entry.tenant)
         if t is not None and entry.charged and refund:
             t.counter -= entry.charged
+            if behind is not None:
+                floor = self.counter(behind)
+                if t.counter <= floor:
+                    t.counter = floor + 1e-9 * max(1.0, abs(floor))
         entry.charged = 0.0
         entry.gone = False
         self._count(entry, 1)

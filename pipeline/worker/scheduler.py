@@ -16,6 +16,7 @@ its offset stays taken and unfinished meanwhile, so nothing is committed past it
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from pipeline.config import Settings
@@ -252,19 +253,20 @@ class Scheduler:
         for key, entry in self.victims.items():
             if entry[0] > band and (victim is None or entry[:2] > victim[1][:2]) and (accept is None or accept(key)):
                 victim = (key, entry)
+        behind = None
         if victim is None:
             victim = self._crowding_call(band, now, accept) if self.crowded else None
             if victim is None:
                 return None
             self.stats.preempted_in_band += 1
-            refund = False  # its tenant holds more than its share: the slot time it used is its own
-        else:
-            refund = True  # made way for a higher band: charged again when it runs again
+            # Not served, so its tenant's charge goes back, but only down to the counter of the
+            # tenant it made way for, which goes first.
+            behind = self.queues[band].peek(now).tenant
         key, (rank, _, entry, task, request_id) = victim
         self.victims.pop(key, None)
         self._forget_call(key)
         self.preempt_counts[key] = self.preempt_counts.get(key, 0) + 1
-        self.queues[rank].put_back(entry, refund=refund)
+        self.queues[rank].put_back(entry, behind=behind)
         self.stats.preempted += 1
         self.metrics.preemptions.labels(BANDS[rank].value).inc()
         return key, task, request_id
@@ -282,9 +284,16 @@ class Scheduler:
             return None
         partition = head.partition
         limit, counts = self.cfg.max_preemptions, self.preempt_counts
+        # A tenant gives way only while it holds more slots than its weighted share of those the
+        # band's calls hold (rounded up): a weight-2 tenant holding 2 of 2 slots beside a weight-1
+        # one holds its share, and preempting it would undo the fair queue's choice.
+        running = {tenant: calls for (rank, tenant), calls in self.by_tenant.items() if rank == band}
+        weight = self.weight_of
+        total_weight = weight(head.tenant) + sum(weight(t) for t in running)
+        slots = sum(len(calls) for calls in running.values())
         best = None
-        for (rank, _), calls in self.by_tenant.items():
-            if rank != band or len(calls) < 2:
+        for tenant, calls in running.items():
+            if len(calls) < 2 or len(calls) <= math.ceil(slots * weight(tenant) / total_weight - 1e-9):
                 continue
             for key, entry in calls.items():
                 if key[0] != partition and counts.get(key, 0) < limit and (best is None or entry[0] > best[1][1]) \

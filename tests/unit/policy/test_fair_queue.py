@@ -106,10 +106,14 @@ def test_put_back_keeps_the_place_and_gives_the_charge_back():
     q.put_back(first)
     assert q.counter(first.tenant) == before - 1.0
     assert q.pop(0) is first
-    # Without the refund (a tenant preempted for holding more than its share) the charge stays.
+    # Made way for another tenant: given back only down to that tenant's counter, which goes first.
+    q.push(entry("c", "c1"), 0)
+    q.put_back(first, behind="c")
+    assert q.counter(first.tenant) > q.counter("c")
+    assert [q.pop(0).item for _ in range(3)] == ["b1", "c1", "a1"]
+    charged = q.counter(first.tenant)
     q.put_back(first, refund=False)
-    assert q.counter(first.tenant) == before
-    assert q.pop(0).item == "b1"
+    assert q.counter(first.tenant) == charged
 
 
 def test_shaped_requests_wait_for_their_time_unseen():

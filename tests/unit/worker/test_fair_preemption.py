@@ -186,3 +186,9 @@ def test_revoking_a_partition_forgets_its_tenants_calls():
         await stop_all(worker)
 
     asyncio.run(run())
+
+
+def test_a_tenant_holding_no_more_than_its_weighted_share_keeps_its_slots():
+    # Weight 2 against 1: two of the two slots is its share (rounded up), so nothing gives way.
+    _nothing_preempted(make_worker(max_inflight=2, tenant_weights={"gold": 2.0}), [("gold", 1), ("gold", 1)],
+                       [("plain", 2)])
