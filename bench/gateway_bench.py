@@ -689,7 +689,7 @@ def _quiet_waits(settings: Settings, tmp: Path, *, flooder: bool, fifo: bool = F
     # thread here shared the interpreter lock with the load generator, whose work grows with
     # the flood (the quiet tenant's p99 alone ranged 20-33 ms over four rounds, 19-21 this way).
     fifo_env = {"LLMQ_WORKER__SOURCE": "requests", "LLMQ_WORKER__POOL": "all",
-                "LLMQ_WORKER__FAIR_PREEMPTION": "false"} if fifo else None
+                "LLMQ_WORKER__FAIR_PREEMPTION": "false", "LLMQ_WORKER__FAIR_QUEUING": "false"} if fifo else None
     workers = WorkerProcess(s, tmp, inflight=2, latency_ms=10, env=fifo_env)
     try:
         # Both tenants' partitions written once: a partition's first write (the broker creates
@@ -824,7 +824,7 @@ def tenant_fairness(settings: Settings, args) -> dict:
             "another_partition": other, "same_partition": same,
             "baseline_fifo_p99_with_flooder_ms": median(fifo_runs), "baseline_fifo_runs_ms": fifo_runs,
             "baseline_fifo": "no gateway: both tenants on one partition of one NORMAL topic, read in order by "
-                             "the same worker (2 slots, 10-ms calls), fair preemption off",
+                             "the same worker (2 slots, 10-ms calls), fair queuing and fair preemption off",
             "weights_2_to_1": {"served_tokens_ratio": median(weights), "runs": weights,
                                "detail": shares["weights_2_to_1"]},
             "long_answers_10x": {"served_tokens_ratio_long_over_short": median(long), "runs": long,

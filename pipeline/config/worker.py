@@ -126,6 +126,9 @@ class WorkerSettings:
     #: to half. What is read ahead is not committed until done: a crash redelivers it.
     lookahead_requests: int = 4096
     lookahead_bytes: int = 64 * 1024 * 1024
+    #: Weighted fair queuing between tenants inside a band (docs/workers.md). false: one queue
+    #: per band in deadline order (first come, first served for equal timeouts), whatever the tenant.
+    fair_queuing: bool = True
     #: Each tenant's share of a band against the others (weighted fair queuing by tokens);
     #: these win over the tenant registry's ``weight``; a tenant in neither has weight 1.
     tenant_weights: dict[str, float] = field(default_factory=dict)

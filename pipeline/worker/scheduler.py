@@ -65,6 +65,8 @@ class Scheduler:
         configured = cfg.tenant_weights
         self.weight_of = (lambda tenant: configured.get(tenant) or (weight_of(tenant) if weight_of else 1.0))
         self.queues = [FairQueue(self.weight_of) for _ in BANDS]
+        # Off: every request under one name, so a band is one queue in deadline order.
+        self._fair_queuing = cfg.fair_queuing
         #: Per partition, in requests: past it (or past lookahead_bytes in all) a partition is
         #: paused (flow.py), so librdkafka's shared fetch queue never holds higher-band work behind it.
         self.cap = cfg.lookahead_requests
@@ -113,7 +115,8 @@ class Scheduler:
         """Queue a taken, decoded message in its band."""
         queue = self.queues[self.rank.get(tp[0], LOWEST_RANK)]
         value = msg.value()
-        entry = Waiting((msg, request), request.tenant_id, tp, request.created_at + request.timeout_ms,
+        entry = Waiting((msg, request), request.tenant_id if self._fair_queuing else "", tp,
+                        request.created_at + request.timeout_ms,
                         request_cost(estimate_tokens(request.prompt), request.max_tokens), not_before_of(msg),
                         (len(value) if value else 0) + ENTRY_OVERHEAD_BYTES)
         if queue.push(entry, now_ms()) >= self.cap or self.queued_bytes >= self.cap_bytes:

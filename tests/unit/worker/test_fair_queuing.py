@@ -119,3 +119,15 @@ def test_served_tokens_are_counted_per_tenant_and_the_fair_share_is_exported():
         await settle()
 
     asyncio.run(run())
+
+
+def test_with_fair_queuing_off_a_band_is_served_in_deadline_order_whatever_the_tenant():
+    async def run():
+        worker = make_worker(max_inflight=1, fair_queuing=False, fair_preemption=False)
+        offsets = {}
+        flood = [take(worker, "flooder", 0, offsets) for _ in range(3)]
+        quiet = take(worker, "quiet", 1, offsets)
+        order = await run_one_at_a_time(worker, 4)
+        assert order == [r.request_id for r in (*flood, quiet)]
+
+    asyncio.run(run())
