@@ -415,7 +415,9 @@ THROUGHPUT_OVERRIDES: dict = {"gateway": {"limits": {
 
 
 #: The limit under test (per tenant: 100 requests a second, a burst of 10), three times over.
-RATE_LIMIT = {"window_ms": 1000, "requests": 100, "burst": 10}
+#: over = "refuse": this scenario measures the refusing limiter on the arrival clock (a "delay"
+#: limit admits every request and spreads their starts instead: tenant_fairness's burst measures that).
+RATE_LIMIT = {"window_ms": 1000, "requests": 100, "burst": 10, "over": "refuse"}
 RATE_OVERRIDES = {"gateway": {"limits": {"per_second": RATE_LIMIT}}}
 
 
