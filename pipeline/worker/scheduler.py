@@ -119,7 +119,10 @@ class Scheduler:
                         request.created_at + request.timeout_ms,
                         request_cost(estimate_tokens(request.prompt), request.max_tokens), not_before_of(msg),
                         (len(value) if value else 0) + ENTRY_OVERHEAD_BYTES)
-        if queue.push(entry, now_ms()) >= self.cap or self.queued_bytes >= self.cap_bytes:
+        # (Every band's bytes are summed only once this band holds a fifth of the bound: the sum
+        # reaches the bound only if some band does.)
+        if queue.push(entry, now_ms()) >= self.cap or (
+                queue.bytes * len(self.queues) >= self.cap_bytes and self.queued_bytes >= self.cap_bytes):
             self.deep.add(tp)
 
     def over(self, tp: tuple[str, int]) -> bool:
