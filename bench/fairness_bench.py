@@ -10,6 +10,7 @@ requests that started inside the measured window, while every tenant still had w
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import signal
 import tempfile
@@ -46,6 +47,25 @@ def _registry_config(tmp: Path, weights: dict[str, float]) -> dict[str, str]:
     return {"LLMQ_CONFIG": str(path)}
 
 
+@contextlib.contextmanager
+def _pipeline(s: Settings, gateway: dict, *, workers: int = 1, inflight: int = SLOTS, latency_ms: float = LATENCY_MS,
+              env: dict[str, str] | None = None, weights: dict[str, float] | None = None):
+    """A gateway (config ``gateway``) and ``workers`` worker processes on ``s``'s fresh topics;
+    yields the workers; stops everything and drops the topics after."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        gw = GatewayProcess(s, gateway_config(gateway), tmp)
+        env = {**(env or {}), **_registry_config(tmp, weights or {})}
+        procs = [WorkerProcess(s, tmp, inflight=inflight, latency_ms=latency_ms, env=env) for _ in range(workers)]
+        try:
+            yield procs
+        finally:
+            for p in procs:
+                p.stop()
+            gw.stop()
+            drop_topics(s)
+
+
 def _responses(s: Settings, ids: set[str], timeout_s: float = 180.0) -> list:
     """The responses to ``ids`` (others on the topic, the warm-up's, left out), once each id has a
     terminal one or ``timeout_s`` passed."""
@@ -62,27 +82,17 @@ def _responses(s: Settings, ids: set[str], timeout_s: float = 180.0) -> list:
 def shares(settings: Settings, tenants: dict[str, dict], *, workers: int = 1) -> dict:
     """``tenants``: name → {"requests", "max_tokens", "weight"}. Served tokens per tenant in the window."""
     s = fresh(settings)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        gw = GatewayProcess(s, gateway_config({}), tmp)
-        env = {"LLMQ_WORKER__SIM_MS_PER_TOKEN": str(MS_PER_TOKEN),
-               **_registry_config(tmp, {t: spec["weight"] for t, spec in tenants.items() if spec.get("weight", 1) != 1})}
-        procs = [WorkerProcess(s, tmp, inflight=SLOTS, latency_ms=LATENCY_MS, env=env) for _ in range(workers)]
-        try:
-            warm_up(s, bands=(SHARE_BAND,), tenants=tuple(tenants))
-            order = []
-            for i in range(max(spec["requests"] for spec in tenants.values())):
-                for name, spec in tenants.items():
-                    if i < spec["requests"]:
-                        order.append((0.0, Request.new(name, f"{name} {i}", timeout_ms=600_000,
-                                                       max_tokens=spec["max_tokens"], priority=SHARE_BAND)))
-            sent = produce_paced(s, iter(order))
-            got = _responses(s, {req.request_id for _, req in order})
-        finally:
-            for p in procs:
-                p.stop()
-            gw.stop()
-            drop_topics(s)
+    weights = {t: spec["weight"] for t, spec in tenants.items() if spec.get("weight", 1) != 1}
+    with _pipeline(s, {}, workers=workers, env={"LLMQ_WORKER__SIM_MS_PER_TOKEN": str(MS_PER_TOKEN)}, weights=weights):
+        warm_up(s, bands=(SHARE_BAND,), tenants=tuple(tenants))
+        order = []
+        for i in range(max(spec["requests"] for spec in tenants.values())):
+            for name, spec in tenants.items():
+                if i < spec["requests"]:
+                    order.append((0.0, Request.new(name, f"{name} {i}", timeout_ms=600_000,
+                                                   max_tokens=spec["max_tokens"], priority=SHARE_BAND)))
+        sent = produce_paced(s, iter(order))
+        got = _responses(s, {req.request_id for _, req in order})
     started = [r for r in got if r.status is Status.COMPLETED and r.started_at]
     first = min(r.started_at for r in started)
     lo, hi = first + WINDOW_FROM_S * 1000, first + (WINDOW_FROM_S + WINDOW_S) * 1000
@@ -126,21 +136,13 @@ def burst(settings: Settings, over: str = "delay") -> dict:
     with "delay" (shaped) or "refuse" (as before shaping existed)."""
     s = fresh(settings)
     limits = {name: {**spec, "over": over} for name, spec in Settings.load(env={}).gateway.limits.items()}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        gw = GatewayProcess(s, gateway_config({"gateway": {"limits": limits}}), tmp)
-        worker = WorkerProcess(s, tmp, inflight=16, latency_ms=5)
-        tenants = [f"burst-{i}" for i in range(BURST_TENANTS)]
-        try:
-            warm_up(s, bands=(Priority.NORMAL,), tenants=tuple(tenants))
-            reqs = [(0.0, Request.new(tenants[i % BURST_TENANTS], f"b{i}", timeout_ms=60_000, max_tokens=4))
-                    for i in range(BURST_REQUESTS)]
-            sent = produce_paced(s, iter(reqs))
-            got = _responses(s, {req.request_id for _, req in reqs})
-        finally:
-            worker.stop()
-            gw.stop()
-            drop_topics(s)
+    tenants = [f"burst-{i}" for i in range(BURST_TENANTS)]
+    with _pipeline(s, {"gateway": {"limits": limits}}, inflight=16, latency_ms=5):
+        warm_up(s, bands=(Priority.NORMAL,), tenants=tuple(tenants))
+        reqs = [(0.0, Request.new(tenants[i % BURST_TENANTS], f"b{i}", timeout_ms=60_000, max_tokens=4))
+                for i in range(BURST_REQUESTS)]
+        sent = produce_paced(s, iter(reqs))
+        got = _responses(s, {req.request_id for _, req in reqs})
     final = {r.request_id: r for r in got if r.status is not Status.QUEUED}
     statuses = collections.Counter(r.status.value for r in final.values())
     late = sum(1 for r in final.values() if r.finished_at and r.finished_at > r.created_at + 60_000)
@@ -165,27 +167,18 @@ def burst(settings: Settings, over: str = "delay") -> dict:
 def worker_killed(settings: Settings) -> dict:
     """Two tenants backlogged, two workers; one SIGKILLed mid-run. Every id answered, none twice differently."""
     s = fresh(settings)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        gw = GatewayProcess(s, gateway_config({}), tmp)
-        procs = [WorkerProcess(s, tmp, inflight=SLOTS, latency_ms=LATENCY_MS) for _ in range(2)]
-        try:
-            warm_up(s, bands=(Priority.NORMAL,), tenants=("a", "b"))
-            reqs = [(i / 150, Request.new("ab"[i % 2], f"k{i}", timeout_ms=600_000, max_tokens=4)) for i in range(1500)]
+    with _pipeline(s, {}, workers=2) as procs:
+        warm_up(s, bands=(Priority.NORMAL,), tenants=("a", "b"))
+        reqs = [(i / 150, Request.new("ab"[i % 2], f"k{i}", timeout_ms=600_000, max_tokens=4)) for i in range(1500)]
 
-            def paced():
-                for n, item in enumerate(reqs):
-                    if n == len(reqs) // 2:
-                        os.kill(procs[0].proc.pid, signal.SIGKILL)
-                    yield item
+        def paced():
+            for n, item in enumerate(reqs):
+                if n == len(reqs) // 2:
+                    os.kill(procs[0].proc.pid, signal.SIGKILL)
+                yield item
 
-            sent = produce_paced(s, paced())
-            got = _responses(s, {req.request_id for _, req in reqs})
-        finally:
-            for p in procs:
-                p.stop()
-            gw.stop()
-            drop_topics(s)
+        sent = produce_paced(s, paced())
+        got = _responses(s, {req.request_id for _, req in reqs})
     by_id: dict[str, set] = collections.defaultdict(set)
     for r in got:
         if r.status is not Status.QUEUED:

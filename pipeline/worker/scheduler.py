@@ -115,9 +115,12 @@ class Scheduler:
         """Queue a taken, decoded message in its band."""
         queue = self.queues[self.rank.get(tp[0], LOWEST_RANK)]
         value = msg.value()
-        entry = Waiting((msg, request), request.tenant_id if self._fair_queuing else "", tp,
-                        request.created_at + request.timeout_ms,
-                        request_cost(estimate_tokens(request.prompt), request.max_tokens), not_before_of(msg),
+        deadline = request.created_at + request.timeout_ms
+        not_before = not_before_of(msg)
+        if not_before > deadline:
+            not_before = deadline  # held no longer than its deadline (then answered EXPIRED)
+        entry = Waiting((msg, request), request.tenant_id if self._fair_queuing else "", tp, deadline,
+                        request_cost(estimate_tokens(request.prompt), request.max_tokens), not_before,
                         (len(value) if value else 0) + ENTRY_OVERHEAD_BYTES)
         # (Every band's bytes are summed only once this band holds a fifth of the bound: the sum
         # reaches the bound only if some band does.)

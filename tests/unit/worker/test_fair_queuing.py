@@ -131,3 +131,19 @@ def test_with_fair_queuing_off_a_band_is_served_in_deadline_order_whatever_the_t
         assert order == [r.request_id for r in (*flood, quiet)]
 
     asyncio.run(run())
+
+
+def test_a_not_before_past_the_deadline_holds_the_request_only_until_its_deadline():
+    async def run():
+        worker = make_worker(max_inflight=4)
+        offsets = {}
+        late = take(worker, "acme", 0, offsets, headers=[(NOT_BEFORE_HEADER, b"%d" % (now_ms() + 3_600_000))],
+                    timeout_ms=100)
+        assert worker.dispatch() == 0
+        time.sleep(0.15)
+        worker.dispatch()
+        await settle()
+        (answer,) = answers(worker)
+        assert answer.request_id == late.request_id and answer.status.value == "EXPIRED"
+
+    asyncio.run(run())
