@@ -1,8 +1,11 @@
 """How many requests a new one waits behind, in the order workers serve them. Pure, no I/O.
 
-Workers serve bands strictly (every higher band first) and, inside a band, its partitions in
-turn (``worker/backlog.py``): one request of each partition with work, then the next round. The
-gateway keys dispatch records by tenant, so a partition is a group of tenants. A new request
+Workers serve bands strictly (every higher band first) and, inside a band, its tenants in turn
+by tokens (``policy/fair_queue.py``). The gateway sees the dispatch topics' depths per partition,
+not per tenant, so it models each partition as one flow served in turn: one request of each
+partition with work, then the next round (the dispatch records are keyed by tenant, so a
+partition is a group of tenants; a quiet tenant sharing a partition with a backlog is served
+sooner than this says, at its own turn, and the quote errs long). A new request
 that is the k-th of its partition therefore waits for everything in the higher bands, for its
 own partition's k − 1, and for about k of every other partition of its band (or all it has): a tenant alone
 on a short partition is served within a round however deep its neighbours' backlogs are, and a

@@ -245,7 +245,7 @@ class Scheduler:
 
     def preempt(self, accept=None):
         """Every slot is busy: pick one running call of a preemptible band lower than the band
-        served next and put its message back at the head of its partition's queue. Returns
+        served next and put its request back in its place in its band's queue. Returns
         the call's ``(key, task, request id)`` for the caller to cancel, or None.
 
         The victim is the most recently started call of the lowest such band (the least work
