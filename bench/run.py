@@ -149,7 +149,8 @@ def _scenarios() -> dict:
                           ("backend_bench", ("backend_utilization", "streaming_ttft")),
                           ("serve_bench", ("serve_overhead",)),
                           ("eta_bench", ("eta_accuracy",)),
-                          ("cost_bench", ("cpu_per_request", "load_curve"))):
+                          ("cost_bench", ("cpu_per_request", "load_curve")),
+                          ("batch_bench", ("batch_beside_interactive",))):
         try:
             mod = __import__(module)
         except ImportError as exc:

@@ -5,7 +5,8 @@
 | producer    | write the request topics                                                     |
 | consumer    | read the response and chunk topics (the SDK assigns partitions: no group)    |
 | client      | producer + consumer (an upstream service that submits and awaits)            |
-| serve       | client + write cancellations + read the tenant registry (``llmq serve``)     |
+| serve       | client + write cancellations + read the tenant registry + the Batch API's    |
+|             | files and batches topics and group (``llmq serve``)                          |
 | tenants     | read and write the tenant registry (``llmq tenants set``)                    |
 | worker      | read request/dispatch/cancellation topics; write responses, chunks, receipts,|
 |             | reply topics and dead letters; its groups (llmq-workers, llmq-pool-*; their  |
@@ -103,7 +104,10 @@ def role_grants(settings: Settings, tenants: list[str] | None = None) -> dict[st
         "producer": producer,
         "consumer": consumer,
         "client": producer + consumer,
-        "serve": producer + consumer + [_topic(cancellations, W, D), _topic(registry, R, D)],
+        # the Batch API: its files and batches topics, and the group that shares the batches out
+        "serve": producer + consumer + [_topic(cancellations, W, D), _topic(registry, R, D),
+                                        _topic(t.files, R, W, D), _topic(t.batches, R, W, D),
+                                        _group(settings.batch.group(t.prefix), R)],
         "tenants": [_topic(registry, R, W, D), _IDEMPOTENT],
         "worker": [
             _topic(requests, R, D, prefixed=True), _topic(dispatch, R, D, prefixed=True),

@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 
+from pipeline import DISTRIBUTION
 from pipeline.config import Settings
 from pipeline.errors import LlmqError
 
@@ -39,7 +40,7 @@ def version() -> str:
     from importlib import metadata
 
     try:
-        return metadata.version("llmq")
+        return metadata.version(DISTRIBUTION)
     except metadata.PackageNotFoundError:  # run from a source tree that was never installed
         from pipeline import __version__
 
@@ -246,6 +247,13 @@ def cmd_cancel(args) -> int:
         client.cancel(args.request_id, args.reason)
     print(f"cancellation of {args.request_id} published")
     return 0
+
+
+def cmd_batch(args) -> int:
+    from pipeline.batch import cli as batch
+
+    return {"submit": batch.submit, "status": batch.status, "cancel": batch.cancel,
+            "results": batch.results}[args.action](args)
 
 
 def cmd_demo(args) -> int:
@@ -575,6 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_lag_exporter)
 
     _dlq_parser(command)
+    _batch_parser(command)
 
     p = command("cancel", "cancel a request (answered CANCELLED unless already finished)",
                 "Publishes a cancellation for the request id: a request not yet started is answered CANCELLED "
@@ -647,6 +656,85 @@ def _dlq_parser(command) -> None:
     q.add_argument("--batch", type=_positive, default=100, help="dead letters per transaction (default 100)")
     q.add_argument("--json", action="store_true", help="the report as one JSON document")
     p.set_defaults(func=cmd_dlq)
+
+
+def _batch_parser(command) -> None:
+    from pipeline.batch import cli as batch
+    from pipeline.batch.record import ENDPOINTS
+
+    p = command("batch", "OpenAI batch jobs through `llmq serve`: submit a JSONL file, follow it, fetch its results",
+                "OpenAI's Batch API on `llmq serve`, over HTTP (Kafka is serve's business). `submit` uploads a "
+                "JSONL file, one request a line ({\"custom_id\", \"method\": \"POST\", \"url\", \"body\"}), and "
+                "creates a batch on it; `status`, `cancel` and `results` act on a batch by its id. Every action "
+                f"talks to --via URL (default ${batch.URL_ENV} or {batch.DEFAULT_URL}) with the API key in "
+                f"--key-file FILE (default ${batch.KEY_FILE_ENV}); the key names the tenant and is never printed. "
+                "Exit status: 0 done, 1 serve unreachable, 2 usage error, 3 serve refused (its HTTP status and "
+                "OpenAI error message are printed) or the batch did not end as asked, 130 interrupted while "
+                "waiting (the batch keeps running).")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    def serve_options(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--via", metavar="URL", help=f"llmq serve's base URL (default ${batch.URL_ENV} or "
+                                                    f"{batch.DEFAULT_URL})")
+        q.add_argument("--key-file", metavar="FILE", help=f"the file holding the API key (default "
+                                                          f"${batch.KEY_FILE_ENV})")
+
+    def json_option(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--json", action="store_true", help="print OpenAI's batch object as JSON (the final one "
+                                                           "when waiting)")
+
+    q = command("submit", "upload a JSONL file and start a batch on it; --wait follows it to its end",
+                "Uploads FILE (POST /v1/files, purpose batch), creates a batch on it (POST /v1/batches) and prints "
+                "its id. Its lines run in the LOW or BACKGROUND band (--priority, within what the tenant may ask "
+                "for; serve's batch.default_priority otherwise), behind interactive work, until each is answered "
+                "or the window closes. --wait shows how many lines are answered, polling every second, until the "
+                "batch ends; then saves --output and --errors, prints a one-line summary and exits 0 if it "
+                "completed, 3 if it failed, expired or was cancelled. Ctrl-C stops the waiting, not the batch.",
+                parent=actions)
+    q.add_argument("file", metavar="FILE", help="the requests, one JSON object a line")
+    serve_options(q)
+    json_option(q)
+    q.add_argument("--endpoint", choices=ENDPOINTS, default=ENDPOINTS[0],
+                   help="the endpoint every line's url names (default %(default)s)")
+    q.add_argument("--window", type=batch.window, default="24h", metavar="DURATION",
+                   help="completion window: lines not answered by then end expired, e.g. 1h (default %(default)s)")
+    q.add_argument("--metadata", type=batch.key_value, action="extend", nargs="+", metavar="KEY=VALUE",
+                   help="the batch's metadata (up to 16 pairs)")
+    q.add_argument("--priority", type=str.lower, choices=["low", "background"],
+                   help="the band of its lines (sent as metadata.priority)")
+    q.add_argument("--wait", action="store_true", help="follow the batch to its end (exit status: how it ended)")
+    q.add_argument("--output", metavar="OUT.jsonl", help="with --wait: save the answered lines here")
+    q.add_argument("--errors", metavar="ERR.jsonl", help="with --wait: save the lines that failed here")
+
+    q = command("status", "a batch's status, request counts, file ids and timestamps",
+                "Shows a batch (GET /v1/batches/{id}): its status (validating, in_progress, finalizing, "
+                "completed, failed, expired, cancelling, cancelled), how many lines completed and failed of the "
+                "total, its input, output and error file ids, metadata, and when each step happened (UTC).",
+                parent=actions)
+    q.add_argument("batch_id", metavar="BATCH_ID")
+    serve_options(q)
+    json_option(q)
+
+    q = command("cancel", "cancel a batch: lines not started end cancelled, answered ones are kept",
+                "Asks serve to cancel the batch (POST /v1/batches/{id}/cancel): it shows as cancelling while "
+                "lines already started finish, then ends cancelled with result files for what was answered. "
+                "--wait follows it to its end and exits 0 if it ended cancelled, 3 if it ended otherwise first.",
+                parent=actions)
+    q.add_argument("batch_id", metavar="BATCH_ID")
+    serve_options(q)
+    json_option(q)
+    q.add_argument("--wait", action="store_true", help="follow the batch until it has ended")
+
+    q = command("results", "download an ended batch's output (and error) file",
+                "Downloads the output file of a batch that has ended (completed, expired or cancelled ones keep "
+                "what was answered) to --output, or prints it to stdout, and its error file to --errors. A "
+                "result file the batch does not have is saved empty. Exit status 3 while the batch is still "
+                "running.", parent=actions)
+    q.add_argument("batch_id", metavar="BATCH_ID")
+    serve_options(q)
+    q.add_argument("--output", metavar="OUT.jsonl", help="save the output file here instead of printing it")
+    q.add_argument("--errors", metavar="ERR.jsonl", help="save the error file here")
+    p.set_defaults(func=cmd_batch)
 
 
 def _setup_logging(level: str) -> None:

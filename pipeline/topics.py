@@ -54,6 +54,8 @@ def pipeline_topics(settings: Settings) -> list[TopicSpec]:
                            "streamed chunks"))
     specs.append(TopicSpec(t.receipts, t.request_partitions, t.replication_factor, dict(t.receipt_config),
                            "completion receipts"))
+    specs += [TopicSpec(name, t.batch_partitions, t.replication_factor, dict(t.batch_config), role)
+              for name, role in ((t.files, "batch files"), (t.batches, "batches"))]
     return specs
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from pipeline.config.batch import BatchSettings
 from pipeline.config.broker import DEFAULT_JVM_OPTIONS, BrokerSettings
 from pipeline.config.fields import set_field
 from pipeline.config.gateway import GatewaySettings
@@ -36,7 +37,7 @@ from pipeline.config.topics import DEFAULT_POOLS, TopicSettings
 from pipeline.config.worker import WorkerSettings
 from pipeline.errors import ConfigError
 
-__all__ = ["DEFAULT_BOOTSTRAP", "DEFAULT_JVM_OPTIONS", "DEFAULT_POOLS", "BrokerSettings", "GatewaySettings",
+__all__ = ["DEFAULT_BOOTSTRAP", "DEFAULT_JVM_OPTIONS", "DEFAULT_POOLS", "BatchSettings", "BrokerSettings", "GatewaySettings",
            "KafkaSettings", "SerdeSettings", "ServeSettings", "Settings", "TenantSettings", "TopicSettings",
            "WorkerSettings"]
 
@@ -51,6 +52,7 @@ class Settings:
     broker: BrokerSettings = field(default_factory=BrokerSettings)
     tenants: TenantSettings = field(default_factory=TenantSettings)
     serve: ServeSettings = field(default_factory=ServeSettings)
+    batch: BatchSettings = field(default_factory=BatchSettings)
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> "Settings":
@@ -108,5 +110,5 @@ class Settings:
 
     def validate(self) -> None:
         for section in (self.kafka, self.topics, self.serde, self.worker, self.gateway, self.broker, self.tenants,
-                        self.serve):
+                        self.serve, self.batch):
             section.validate()

@@ -39,6 +39,12 @@ class TopicSettings:
     chunk_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(24 * 3600 * 1000)})
     #: Completion receipts (see :attr:`receipts`): a day is far longer than any gateway is down.
     receipt_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(24 * 3600 * 1000)})
+    #: The Batch API's files (chunked) and batch records (pipeline/batch/): compacted, one record
+    #: per key, removed by tombstones when a file is deleted or a batch's results pass
+    #: batch.retention_s. max.message.bytes: one chunk (batch.chunk_bytes) and its key.
+    batch_partitions: int = 3
+    batch_config: dict[str, str] = field(default_factory=lambda: {
+        "cleanup.policy": "compact", "max.message.bytes": str(2 * 1024 * 1024)})
 
     def request_topic(self, priority: Priority) -> str:
         return f"{self.prefix}.requests.{priority.value.lower()}"
@@ -91,8 +97,18 @@ class TopicSettings:
         Keyed by tenant, with the request topics' partition count (co-partitioned)."""
         return f"{self.prefix}.receipts"
 
+    @property
+    def files(self) -> str:
+        """Batch API files: a metadata record and chunks per file (pipeline/batch/files.py)."""
+        return f"{self.prefix}.files"
+
+    @property
+    def batches(self) -> str:
+        """Batch API batches: one record per batch, its latest state (pipeline/batch/record.py)."""
+        return f"{self.prefix}.batches"
+
     def validate(self) -> None:
-        for key in ("request_partitions", "response_partitions", "dlq_partitions", "cancellation_partitions",
+        for key in ("batch_partitions", "request_partitions", "response_partitions", "dlq_partitions", "cancellation_partitions",
                     "replication_factor"):
             positive(f"topics.{key}", getattr(self, key))
         if not self.prefix or any(c.isspace() for c in self.prefix):

@@ -9,6 +9,7 @@
 | POST /v1/requests           | 202 + id at once (default band BACKGROUND): for batch work              |
 | GET  /v1/requests/{id}      | its status (queued: position, ETA) and, once there, its answer          |
 | GET  /healthz               | 200 serving, 503 draining or not connected                              |
+| /v1/files, /v1/batches      | OpenAI's Batch API (pipeline/serve/batch_api.py)                        |
 
 The tenant is the caller's API key's (pipeline/serve/auth.py); the band is ``x-llmq-priority``
 or ``metadata.priority`` (NORMAL by default, BACKGROUND for /v1/requests), capped at what the
@@ -326,8 +327,13 @@ async def errors_middleware(http: web.Request, handler):
                                        "internal_error"))
 
 
-def build_app(server: Server) -> web.Application:
+def build_app(server: Server, batches=None) -> web.Application:
+    """``batches``: the BatchStore behind /v1/files and /v1/batches (None: not served)."""
     app = web.Application(middlewares=[errors_middleware], client_max_size=server.cfg.max_body_bytes)
+    if batches is not None:
+        from pipeline.serve.batch_api import BatchApi
+
+        BatchApi(server, batches).routes(app)
     app.router.add_post("/v1/chat/completions", server.chat)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_get("/v1/models", server.models)

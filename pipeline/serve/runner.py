@@ -1,13 +1,15 @@
 """``llmq serve`` as a process: start, serve, and stop gracefully on SIGTERM.
 
 Start: the tenant registry (read to its end), the one client (its reply listener assigned to
-this process's reply partitions), then the HTTP listener. Stop (SIGTERM or SIGINT):
+this process's reply partitions), the Batch API's index of files and batches and the driver of
+the batches this process owns (``batch.enabled``), then the HTTP listener. Stop (SIGTERM or SIGINT):
 
 1. the listening socket closes and ``/healthz`` says 503, so a load balancer moves on; a request
    that still arrives on an open connection is answered 503 (``Retry-After: 1``);
 2. requests in flight get up to ``serve.shutdown_grace_s`` to be answered;
 3. whatever still waits then is answered 503, its request cancelled in the pipeline;
-4. connections close, the client flushes, the registry stops.
+4. connections close, the batch driver leaves its group (another process takes its batches
+   over at once; lines already sent stay in the pipeline), the client flushes, the registry stops.
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ async def serve(settings, *, ready=None, stop: asyncio.Event | None = None) -> N
     loop = asyncio.get_running_loop()
     registry = TenantRegistry(settings)
     await loop.run_in_executor(None, registry.start)
-    client = None
+    client = store = driver = None
     try:
         client = await loop.run_in_executor(None, lambda: AsyncLlmqClient(
             settings, reply_partitions=cfg.reply_partition_list(), signing_secret=RegistrySecrets(registry),
             producer_config={"linger.ms": cfg.producer_linger_ms}))
+        if settings.batch.enabled:
+            store, driver = await loop.run_in_executor(None, _start_batches, settings, registry)
         server = Server(settings, registry, client)
-        runner = web.AppRunner(build_app(server), handler_cancellation=True, shutdown_timeout=1.0,
+        runner = web.AppRunner(build_app(server, store), handler_cancellation=True, shutdown_timeout=1.0,
                                access_log=logging.getLogger("pipeline.serve.access") if cfg.access_log else None)
         await runner.setup()
         site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, backlog=1024)
@@ -59,9 +63,27 @@ async def serve(settings, *, ready=None, stop: asyncio.Event | None = None) -> N
         await _drain(server, site, cfg.shutdown_grace_s)
         await runner.cleanup()
     finally:
+        if driver is not None:
+            await loop.run_in_executor(None, driver.stop)
+        if store is not None:
+            await loop.run_in_executor(None, store.stop)
         if client is not None:
             await client.close()
         registry.stop()
+
+
+def _start_batches(settings, registry):
+    from pipeline.batch.driver import BatchDriver
+    from pipeline.batch.store import BatchStore
+    from pipeline.client import LlmqClient
+    from pipeline.serve.app import RegistrySecrets
+
+    store = BatchStore(settings)
+    store.start()
+    sender = LlmqClient(settings, listen=False, signing_secret=RegistrySecrets(registry))
+    driver = BatchDriver(settings, store, registry, sender)
+    driver.start()
+    return store, driver
 
 
 async def _drain(server: Server, site: web.TCPSite, grace_s: float) -> None:

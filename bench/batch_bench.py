@@ -1,0 +1,258 @@
+"""A 10,000-line batch through OpenAI's Batch API beside interactive chat at 50 requests a second.
+
+Set-up: the project's vLLM-like simulator (``SLOTS`` slots, ``TTFT_MS`` to the first token,
+``MS_PER_TOKEN`` a token) as a server process; one ``llmq worker`` process (OpenAI backend,
+metrics-driven pacing, the shipped defaults otherwise) on the request topics; one ``llmq serve``
+process holding the Batch API. Interactive chat: NORMAL requests of ``INTERACTIVE_TOKENS`` tokens
+from the SDK, paced at ``RATE`` a second, each stamped from its scheduled send.
+
+1. interactive alone for ``ALONE_S`` s (after a warm-up): its p99;
+2. the batch (``LINES`` lines of ``BATCH_TOKENS`` tokens, BACKGROUND, uploaded with ``POST /v1/files``
+   and started with ``POST /v1/batches``) beside the same interactive load, until it completes.
+
+Reported while the batch has lines waiting (from its first answer until 95 % are answered, so its
+drained tail is left out): interactive p99 against phase 1's; the server's slots busy (sampled
+every 20 ms); the batch's throughput in slot-seconds a second against what the interactive load
+leaves (``SLOTS`` less the interactive rate × its time in the server).
+
+Run alone: ``python bench/run.py batch_beside_interactive``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from backend_bench import Sampler, cpu_s  # bench/, beside this script
+from failover_bench import LlmqProcess
+from gateway_bench import drop_topics, fresh, p99
+
+from pipeline.config import Settings
+from pipeline.models import Priority, Request, Status
+from pipeline.simulator.process import SimulatorProcess
+from pipeline.tenants.keys import hash_key
+
+SLOTS, TTFT_MS, MS_PER_TOKEN = 16, 20, 5
+RATE, INTERACTIVE_TOKENS, BATCH_TOKENS = 50, 16, 32
+#: LLMQ_BENCH_BATCH_LINES / LLMQ_BENCH_ALONE_S: a quicker run while working on it (results say the figures used).
+LINES = int(os.environ.get("LLMQ_BENCH_BATCH_LINES", "10000"))
+WARM_S, ALONE_S = 5.0, float(os.environ.get("LLMQ_BENCH_ALONE_S", "30"))
+KEY = "bench-batch-key-0123456789"
+TARGET = {"interactive_p99_ratio": 1.2, "batch_share_of_leftover": 0.9, "slot_busy_fraction": 0.97}
+#: Everything set here that is not a shipped default.
+OVERRIDES = {"worker": "--backend openai --openai-base-url <simulator>, reading the request topics (no gateway)",
+             "serve": "--port <free>, tenants.file with one tenant (the batch's and the chat's)"}
+
+
+class TimedSampler(Sampler):
+    """The server's running requests every 20 ms, with when: (epoch s, running)."""
+
+    def run(self) -> None:
+        while not self._halt.wait(0.02):
+            self.samples.append((time.time(), self.sim.load()[0]))
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _processes(s: Settings, workdir: Path, base_url: str) -> tuple[LlmqProcess, LlmqProcess, str]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    tenants = workdir / "tenants.toml"
+    tenants.write_text(f'[bulk]\nmax_priority = "CRITICAL"\nkey_hashes = ["{hash_key(KEY)}"]\n\n'
+                       '[chat]\nmax_priority = "CRITICAL"\n')
+    env = {**os.environ, **s.topology_env(), "LLMQ_WORKER__METRICS_PORT": "0", "LLMQ_TENANTS__FILE": str(tenants)}
+    worker = LlmqProcess("worker", [sys.executable, "-m", "pipeline.cli", "--log-level", "WARNING", "worker",
+                                    "--backend", "openai", "--openai-base-url", base_url], env, workdir)
+    from pipeline.broker import free_port
+
+    port = free_port()
+    serve = LlmqProcess("serve", [sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "serve", "--port",
+                                  str(port)], env, workdir)
+    worker.start()
+    serve.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if not serve.alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"serve did not start:\n{serve.output()[-2000:]}")
+        time.sleep(0.3)
+    return worker, serve, url
+
+
+def _batch_file() -> bytes:
+    out = io.StringIO()
+    for i in range(LINES):
+        out.write(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+                              "body": {"model": "sim-small", "max_tokens": BATCH_TOKENS,
+                                       "messages": [{"role": "user", "content": f"summarise document {i}"}]}}))
+        out.write("\n")
+    return out.getvalue().encode()
+
+
+class Interactive:
+    """Chat requests paced at RATE a second until stopped: (scheduled epoch s, latency ms, in-server ms)."""
+
+    def __init__(self, client):
+        self.client = client
+        self.results: list[tuple[float, float, float | None, str]] = []
+        self._stop = False
+
+    async def _one(self, i: int, scheduled: float) -> None:
+        req = Request.new("chat", None, priority=Priority.NORMAL, model="sim-small", max_tokens=INTERACTIVE_TOKENS,
+                          timeout_ms=60_000, messages=[{"role": "user", "content": f"hello {i}"}])
+        try:
+            fut = asyncio.wrap_future(self.client.response_future(req.request_id))
+            await self.client.submit(req, wait_queued=0)
+            resp = await asyncio.wait_for(fut, 60)
+            server = (resp.finished_at - resp.started_at) if resp.started_at and resp.finished_at else None
+            self.results.append((scheduled, (time.time() - scheduled) * 1000, server, resp.status.value))
+        except Exception:  # noqa: BLE001 (counted: a request sent and not answered)
+            self.results.append((scheduled, 60_000.0, None, "UNANSWERED"))
+        finally:
+            self.client.forget(req.request_id)
+
+    async def run(self) -> None:
+        t0, tasks, i = time.time(), [], 0
+        while not self._stop:
+            scheduled = t0 + i / RATE
+            delay = scheduled - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(self._one(i, scheduled)))
+            i += 1
+        await asyncio.gather(*tasks)
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def window(self, start: float, end: float) -> list[tuple[float, float, float | None, str]]:
+        return [r for r in self.results if start <= r[0] < end]
+
+
+def _round(settings: Settings, workdir: Path) -> dict:
+    s = fresh(settings)
+    sim = SimulatorProcess("--served-model-name", "sim-small", "--max-num-seqs", str(SLOTS), "--ttft-ms", str(TTFT_MS),
+                           "--ms-per-token", str(MS_PER_TOKEN))
+    worker = serve = None
+    try:
+        worker, serve, url = _processes(s, workdir, sim.base_url)
+        http = httpx.Client(base_url=f"{url}/v1", headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        progress: list[tuple[float, int]] = []
+        sampler = TimedSampler(sim)
+
+        async def run() -> dict:
+            from pipeline.client import AsyncLlmqClient
+
+            client = AsyncLlmqClient(s)
+            chat = Interactive(client)
+            sender = asyncio.ensure_future(chat.run())
+            try:
+                await asyncio.sleep(WARM_S)
+                alone = (time.time(), time.time() + ALONE_S)
+                await asyncio.sleep(ALONE_S)
+                loop = asyncio.get_running_loop()
+                data = _batch_file()
+                up = await loop.run_in_executor(None, lambda: http.post(
+                    "/files", files={"file": ("batch.jsonl", data)}, data={"purpose": "batch"}))
+                up.raise_for_status()
+                created = await loop.run_in_executor(None, lambda: http.post("/batches", json={
+                    "input_file_id": up.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}))
+                created.raise_for_status()
+                batch_id, batch_started = created.json()["id"], time.time()
+                sampler.start()
+                serve_cpu0 = cpu_s(serve.proc.pid)
+                while True:
+                    doc = (await loop.run_in_executor(None, lambda: http.get(f"/batches/{batch_id}"))).json()
+                    counts = doc["request_counts"]
+                    progress.append((time.time(), counts["completed"] + counts["failed"]))
+                    if doc["status"] in ("completed", "failed", "expired", "cancelled"):
+                        break
+                    if time.time() - batch_started > 1200:
+                        raise RuntimeError(f"the batch did not finish in 20 minutes: {doc}")
+                    await asyncio.sleep(1.0)
+                serve_cpu = cpu_s(serve.proc.pid) - serve_cpu0
+                chat.stop()
+                await sender
+                return {"alone": alone, "batch": doc, "batch_started": batch_started,
+                        "chat": chat, "serve_cpu_s": serve_cpu}
+            finally:
+                chat.stop()
+                await client.close()
+
+        got = asyncio.run(run())
+        samples = sampler.stop()
+        worker_cpu = cpu_s(worker.proc.pid)
+    finally:
+        for proc in (serve, worker):
+            if proc is not None:
+                proc.terminate(30)
+        sim.stop()
+        drop_topics(s)
+    doc, chat = got["batch"], got["chat"]
+    # While lines wait: from the first answered line until 95 % are answered.
+    first = next(t for t, n in progress if n > 0)
+    last = next(t for t, n in progress if n >= 0.95 * LINES)
+    answered_first = next(n for t, n in progress if t == first)
+    answered_last = next(n for t, n in progress if t == last)
+    alone = [r for r in chat.window(*got["alone"])]
+    during = chat.window(first, last)
+    alone_p99, during_p99 = p99([r[1] for r in alone]), p99([r[1] for r in during])
+    in_server = [r[2] for r in during if r[2] is not None]
+    chat_service_s = statistics.median(in_server) / 1000 if in_server else (TTFT_MS + INTERACTIVE_TOKENS * MS_PER_TOKEN) / 1000
+    batch_service_s = (TTFT_MS + BATCH_TOKENS * MS_PER_TOKEN) / 1000
+    chat_rate = len(during) / (last - first)
+    leftover = SLOTS - chat_rate * chat_service_s
+    batch_rate = (answered_last - answered_first) / (last - first)
+    busy = [min(r, SLOTS) / SLOTS for t, r in samples if first <= t < last]
+    out = {
+        "batch_status": doc["status"], "request_counts": doc["request_counts"],
+        "batch_seconds": round(progress[-1][0] - got["batch_started"], 1),
+        "interactive_p99_alone_ms": round(alone_p99, 1), "interactive_p99_beside_batch_ms": round(during_p99, 1),
+        "interactive_p50_alone_ms": round(statistics.median(r[1] for r in alone), 1),
+        "interactive_p50_beside_batch_ms": round(statistics.median(r[1] for r in during), 1),
+        "interactive_p99_ratio": round(during_p99 / alone_p99, 3),
+        "interactive_sent": len(chat.results), "interactive_not_completed": sum(r[3] != Status.COMPLETED.value
+                                                                                 for r in chat.results),
+        "batch_lines_per_s": round(batch_rate, 2), "batch_slot_s_per_s": round(batch_rate * batch_service_s, 3),
+        "leftover_slot_s_per_s": round(leftover, 3),
+        "batch_share_of_leftover": round(batch_rate * batch_service_s / leftover, 3),
+        "slot_busy_fraction": round(statistics.fmean(busy), 4) if busy else None,
+        "chat_in_server_ms_p50": round(chat_service_s * 1000, 1),
+        "worker_cpu_ms_per_request": round(worker_cpu * 1000 / (len(chat.results) + LINES), 3),
+        "serve_cpu_ms_per_batch_line": round(got["serve_cpu_s"] * 1000 / LINES, 3),
+    }
+    _log(f"  batch_beside_interactive: {out}")
+    return out
+
+
+def batch_beside_interactive(settings: Settings, args) -> dict:
+    rounds = max(1, min(getattr(args, "rounds", 1), 3))
+    with tempfile.TemporaryDirectory(prefix="llmq-batch-") as tmp:
+        per = [_round(settings, Path(tmp) / f"r{r}") for r in range(rounds)]
+
+    def med(key: str):
+        values = [x[key] for x in per if isinstance(x.get(key), (int, float))]
+        return round(statistics.median(values), 4) if values else None
+
+    out = {k: med(k) for k in per[0] if isinstance(per[0][k], (int, float))}
+    out.update({"rounds": per, "targets": TARGET, "overrides": OVERRIDES, "lines": LINES, "rate": RATE,
+                "conditions": f"simulator {SLOTS} slots, {TTFT_MS} ms to first token, {MS_PER_TOKEN} ms/token; "
+                              f"interactive NORMAL chat of {INTERACTIVE_TOKENS} tokens at {RATE}/s through the SDK; "
+                              f"a {LINES}-line BACKGROUND batch of {BATCH_TOKENS}-token answers through the Batch API "
+                              f"of one llmq serve; one llmq worker on the request topics; {ALONE_S:.0f} s of "
+                              "interactive alone first; figures while lines wait (first answer to 95 % answered)"})
+    return out
