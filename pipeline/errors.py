@@ -71,6 +71,41 @@ class DecodeError(SerdeError):
         super().__init__(f"{reason}: {detail}")
 
 
+class LimitExceeded(DecodeError):
+    """A field over its :class:`~pipeline.serde.limits.SerdeLimits` cap (reason ``limit_exceeded``).
+
+    ``field`` is where it sits (``LLMRequest.prompt``, ``LLMRequest.messages[].content``,
+    ``LLMRequest.metadata value``), ``size`` what the message claims for it in ``unit``
+    (``bytes``, ``items`` or ``entries``), ``cap`` the most allowed and ``limit`` the name of
+    the setting behind it.
+
+    ``request`` is set by :meth:`~pipeline.serde.codec.Codec.decode_request` when the request
+    is readable all the same (see there), so that it can be answered, REJECTED with
+    :attr:`refusal`, rather than dead-lettered; None when it is not.
+    """
+
+    _SINGULAR = {"bytes": "byte", "items": "item", "entries": "entry"}
+
+    def __init__(self, detail: str, *, field: str, size: int, unit: str, cap: int, limit: str):
+        super().__init__("limit_exceeded", detail)
+        self.field = field
+        self.size = size
+        self.unit = unit
+        self.cap = cap
+        self.limit = limit
+        self.request = None
+
+    @property
+    def refusal(self) -> str:
+        """The reason to answer with: ``invalid_request`` (a client error, HTTP 400), naming the
+        field and the limit. Never a map key: that is the sender's text."""
+        name = self.field.split(".", 1)[-1]
+        over = f"over the {self.cap}-{self._SINGULAR.get(self.unit, self.unit)} limit ({self.limit})"
+        if self.unit == "bytes":
+            return f"invalid_request: {name} is {self.size} bytes, {over}"
+        return f"invalid_request: {name} has {self.size} {self.unit}, {over}"
+
+
 class SchemaNotFoundError(DecodeError):
     """The writer schema named by a fingerprint or registry id is unknown."""
 

@@ -24,7 +24,7 @@ import logging
 from typing import Callable, Iterable
 
 from pipeline.dlq import dead_letter_headers
-from pipeline.errors import DecodeError, EncodeError
+from pipeline.errors import DecodeError, EncodeError, LimitExceeded
 from pipeline.gateway.checkpoint import DecisionCheckpoint
 from pipeline.gateway.outputs import Output
 from pipeline.gateway.seen import Seen, SeenDecisions
@@ -95,8 +95,14 @@ class Intake:
         self.checkpoint.after_write(event, outputs)
 
     def _handle(self, msg, outputs: list[Output]) -> None:
+        refusal = None  # over a size cap, yet readable: refused like an invalid request, not dead-lettered
         try:
             req = self.codec.decode_request(msg.value)
+        except LimitExceeded as exc:
+            if exc.request is None:
+                outputs.append(self._dead_letter(msg, exc.reason, str(exc)))
+                return
+            req, refusal = exc.request, exc.refusal
         except DecodeError as exc:
             outputs.append(self._dead_letter(msg, exc.reason, str(exc)))
             return
@@ -112,7 +118,7 @@ class Intake:
                                                   seen.model or req.model, seen.charged, seen.arrived_ms)
                     state.apply(applied, msg.offset)
                     self.tenants.changed(req.tenant_id)
-            self._again(req, seen, redelivered, outputs)
+            self._again(req, seen, redelivered, outputs, refusal)
             return
         now = now_ms()
         if self.authorize is not None:
@@ -121,6 +127,9 @@ class Intake:
                 self._refuse(req, source, msg.partition, now, auth.problem, outputs)
                 return
             req = auth.request
+        if refusal is not None:
+            self._refuse(req, source, msg.partition, now, refusal, outputs)
+            return
         arrived = arrival_ms(msg.timestamp, now)
         state = self.tenants.get(req.tenant_id)
         cancelled = self.cancelled(req.request_id)
@@ -173,16 +182,21 @@ class Intake:
 
     def _refuse(self, req: Request, source: str, partition: int, now: int, reason: str,
                 outputs: list[Output]) -> None:
-        """Refused by the registry (unknown, disabled, unsigned, a model not allowed): answered
-        REJECTED with the reason, remembered like any other answer, charged nothing."""
+        """Refused by the registry (unknown, disabled, unsigned, a model not allowed) or for a field
+        over its size cap: answered REJECTED with the reason, remembered like any other answer,
+        charged nothing."""
         self.seen.add(req.request_id, partition, Seen(source, req.tenant_id, now, status=Status.REJECTED.value,
                                                       reason=reason))
         self.metrics.outcome(req.priority.value, "rejected")
         self.metrics.rejections.labels(req.priority.value, reason_code(reason)).inc()
         outputs.append(self._answer(Response.for_request(req, Status.REJECTED, reason=reason, finished_at=now), req))
 
-    def _again(self, req: Request, seen: Seen, redelivered: bool, outputs: list[Output]) -> None:
-        """A request whose id was decided before: the same outcome again, or nothing."""
+    def _again(self, req: Request, seen: Seen, redelivered: bool, outputs: list[Output],
+               refusal: str | None = None) -> None:
+        """A request whose id was decided before: the same outcome again, or nothing. A copy over a
+        size cap (``refusal``) of an id already dispatched cannot be dispatched again for its worker
+        to repeat the answer, and refusing it would give the id a second, different answer: the
+        first answer stands for it."""
         m = self.metrics
         if seen.status:  # answered by the gateway: that answer again
             m.outcome(req.priority.value, "redelivered" if redelivered else "duplicate")
@@ -194,6 +208,8 @@ class Intake:
             m.outcome(req.priority.value, "duplicate")  # its first copy is still on its way: that answer covers it
             return
         m.outcome(req.priority.value, "redelivered" if redelivered else "duplicate")
+        if refusal is not None:
+            return
         band = BANDS[seen.dispatched]
         self._dispatch(req, seen.at_ms, band, seen.model or req.model, seen.degraded_from or None, outputs,
                        seen.not_before_ms)

@@ -16,7 +16,8 @@ here along its writer schema, without building a single value, and refused with 
   every map within ``max_metadata_entries`` and every array within its item cap
   (:meth:`~pipeline.serde.limits.SerdeLimits.items_cap_at`), counting encoded entries
   and items (duplicate keys too, across blocks), or ``limit_exceeded``: refused before
-  fastavro builds the value;
+  fastavro builds the value, with a :class:`~pipeline.errors.LimitExceeded` that says which
+  field, how big and which cap (so a request over a string cap can still be answered);
 * it keeps to the encoding rules fastavro does not check: a boolean byte is ``00`` or
   ``01``, an enum or union index is within its list, an ``int`` fits in 32 bits
   (``invalid_field``); no varint is longer than 10 bytes or beyond 64 bits, and a
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.errors import DecodeError
+from pipeline.errors import DecodeError, LimitExceeded
 from pipeline.serde.limits import SerdeLimits
 from pipeline.serde.schema_store import SchemaLoadError
 
@@ -145,7 +146,8 @@ def _walk(nodes: tuple, data, pos: int, end: int) -> int:
                     else:
                         n, pos = _length(data, pos, end, node[1])
                     if n > node[2]:
-                        raise DecodeError("limit_exceeded", f"{node[1]}: {n} bytes exceed {node[3]}={node[2]}")
+                        raise LimitExceeded(f"{node[1]}: {n} bytes exceed {node[3]}={node[2]}", field=node[1],
+                                            size=n, unit="bytes", cap=node[2], limit=node[3])
                     pos += n
                 elif kind == _LONG:
                     if data[pos] < 0x80:
@@ -214,7 +216,8 @@ def _walk_array(node: tuple, data, pos: int, end: int) -> int:
             return pos
         total += count
         if total > max_items:
-            raise DecodeError("limit_exceeded", f"{where}: {total} items exceed {cap_name}={max_items}")
+            raise LimitExceeded(f"{where}: {total} items exceed {cap_name}={max_items}", field=where, size=total,
+                                unit="items", cap=max_items, limit=cap_name)
         start = pos
         for _ in range(count):
             pos = _walk(items, data, pos, end)
@@ -231,7 +234,8 @@ def _walk_map(node: tuple, data, pos: int, end: int) -> int:
             return pos
         total += count
         if total > max_entries:
-            raise DecodeError("limit_exceeded", f"{where}: {total} entries exceed max_metadata_entries={max_entries}")
+            raise LimitExceeded(f"{where}: {total} entries exceed max_metadata_entries={max_entries}", field=where,
+                                size=total, unit="entries", cap=max_entries, limit="max_metadata_entries")
         start = pos
         for _ in range(count):
             b = data[pos]
@@ -241,7 +245,8 @@ def _walk_map(node: tuple, data, pos: int, end: int) -> int:
             else:
                 n, pos = _length(data, pos, end, where)
             if n > key_cap:
-                raise DecodeError("limit_exceeded", f"{where}: a key of {n} bytes exceeds max_string_bytes={key_cap}")
+                raise LimitExceeded(f"{where}: a key of {n} bytes exceeds max_string_bytes={key_cap}",
+                                    field=f"{where} key", size=n, unit="bytes", cap=key_cap, limit="max_string_bytes")
             key_at = pos
             pos += n
             if value[0] == _STRING:
@@ -253,9 +258,8 @@ def _walk_map(node: tuple, data, pos: int, end: int) -> int:
                     m, pos = _length(data, pos, end, where)
                 if m > value[2]:
                     key = bytes(data[key_at:key_at + min(n, 4 * _KEY_SHOWN)]).decode("utf-8", "replace")
-                    raise DecodeError(
-                        "limit_exceeded", f"{where}[{key[:_KEY_SHOWN]!r}]: {m} bytes exceed {value[3]}={value[2]}"
-                    )
+                    raise LimitExceeded(f"{where}[{key[:_KEY_SHOWN]!r}]: {m} bytes exceed {value[3]}={value[2]}",
+                                        field=f"{where} value", size=m, unit="bytes", cap=value[2], limit=value[3])
                 pos += m
             else:
                 pos = _walk(values, data, pos, end)

@@ -26,7 +26,10 @@ Decoding is defensive: whatever the bytes, only :class:`DecodeError` (or its sub
 ``invalid_field``      enum/union index out of range, a boolean byte other than
                        ``00``/``01``, enum symbol unknown to the reader, ``int`` out of
                        32-bit range
-``limit_exceeded``     a field over its :class:`SerdeLimits` cap (the message names it)
+``limit_exceeded``     a field over its :class:`SerdeLimits` cap (the message names it);
+                       a :class:`LimitExceeded`, which for a request whose sender and
+                       reply destination are readable carries the request (see
+                       :meth:`Codec.decode_request`)
 
 The one exception is a registry that cannot be reached while resolving an id not yet
 cached: that raises a plain :class:`SerdeError`, since the message may well be fine.
@@ -53,7 +56,7 @@ from fastavro import schemaless_reader, schemaless_writer
 from fastavro.read import SchemaResolutionError
 from fastavro.validation import validate
 
-from pipeline.errors import DecodeError, EncodeError, SchemaNotFoundError
+from pipeline.errors import DecodeError, EncodeError, LimitExceeded, SchemaNotFoundError
 from pipeline.models import Chunk, Request, Response
 from pipeline.serde.body_check import BodyCheck
 from pipeline.serde.limits import SerdeLimits
@@ -108,20 +111,28 @@ def _fields_of_kind(schema: dict, *kinds: str) -> tuple[tuple[str, bool], ...]:
                  for f in schema["fields"] if holds(f["type"]))
 
 
+#: The request fields an answer to it carries or is routed by: a request with one of them over
+#: its cap cannot be answered, whatever else it holds.
+_ANSWER_FIELDS = ("request_id", "tenant_id", "reply_to", "trace_id")
+
+
 class _Reader:
     """How one writer schema's bodies become records of the current schema of one name."""
 
-    __slots__ = ("writer", "reader", "check", "label")
+    __slots__ = ("writer", "reader", "check", "label", "limits", "_lifted")
 
     def __init__(self, plan: ReadPlan, limits: SerdeLimits):
         self.writer = plan.writer
         self.reader = plan.reader
         self.label = plan.writer_source
+        self.limits = limits
         self.check = BodyCheck(plan.writer, limits, self.label)
+        self._lifted: BodyCheck | None = None
 
-    def read(self, data: bytes, offset: int) -> dict:
-        """The body at ``data[offset:]``, checked, then read by fastavro."""
-        self.check.check(data, offset)
+    def read(self, data: bytes, offset: int, check: BodyCheck | None = None) -> dict:
+        """The body at ``data[offset:]``, checked (by ``check``, default the limits'), then read
+        by fastavro."""
+        (check or self.check).check(data, offset)
         stream = BytesIO(data)
         stream.seek(offset)
         try:
@@ -137,6 +148,20 @@ class _Reader:
         if stream.tell() != len(data) or type(rec) is not dict:
             raise DecodeError("malformed", f"the body does not read as one record ({self.label})")
         return rec
+
+    def read_lifted(self, data: bytes, offset: int) -> dict:
+        """:meth:`read` with no string or bytes cap but the message's own size. That costs no
+        more than the message already did: its bytes are in memory, and a string must fit in
+        them. The item and entry caps stay, since a block count is what could make fastavro
+        build far more than the message holds."""
+        if self._lifted is None:  # built on first need; a race builds it twice, harmlessly
+            limits = self.limits
+            most = limits.max_record_bytes
+            lifted = dataclasses.replace(limits, max_prompt_bytes=max(most, limits.max_prompt_bytes),
+                                         max_string_bytes=max(most, limits.max_string_bytes),
+                                         max_output_bytes=max(most, limits.max_output_bytes))
+            self._lifted = BodyCheck(self.writer, lifted, self.label)
+        return self.read(data, offset, self._lifted)
 
 
 class _Writer:
@@ -277,13 +302,37 @@ class Codec:
     # -- decoding --------------------------------------------------------------
 
     def decode_request(self, data: bytes) -> Request:
-        """Decode a request in either wire format. Raises :class:`DecodeError`."""
+        """Decode a request in either wire format. Raises :class:`DecodeError`.
+
+        A string or bytes value over its cap raises :class:`LimitExceeded` whose ``request``
+        is the request read with those caps lifted (:meth:`_Reader.read_lifted`), provided it
+        reads that way and what an answer carries or is routed by (id, tenant, reply topic,
+        trace id) is within its own caps: then it can be answered, REJECTED with the
+        exception's ``refusal``, where any answer of it would go, instead of being
+        dead-lettered. Over any other cap (items, entries, ``max_record_bytes``) nothing is read.
+        """
         data, reader, offset = self._frame(data, REQUEST_SCHEMA)
-        rec = reader.read(data, offset)
+        try:
+            rec = reader.read(data, offset)
+        except LimitExceeded as exc:
+            if exc.unit == "bytes":
+                exc.request = self._request_over_limit(data, reader, offset)
+            raise
         try:
             return Request.from_record(rec)
         except (KeyError, ValueError, TypeError) as exc:
             raise DecodeError("invalid_field", f"LLMRequest: {exc}") from None
+
+    def _request_over_limit(self, data: bytes, reader: _Reader, offset: int) -> Request | None:
+        try:
+            req = Request.from_record(reader.read_lifted(data, offset))
+        except (DecodeError, KeyError, ValueError, TypeError):
+            return None
+        for name in _ANSWER_FIELDS:
+            value = getattr(req, name)
+            if value is not None and len(value.encode("utf-8")) > self.limits.string_cap(self._request.kind, name)[0]:
+                return None
+        return req
 
     def decode_response(self, data: bytes) -> Response:
         """Decode a response in either wire format. Raises :class:`DecodeError`."""

@@ -14,7 +14,7 @@ import functools
 import logging
 import time
 
-from pipeline.errors import DecodeError
+from pipeline.errors import DecodeError, LimitExceeded
 from pipeline.models import Request, now_ms
 from pipeline.policy.validation import validate_request
 from pipeline.worker.backends.base import Backend, PacedBackend, StreamingBackend
@@ -82,7 +82,8 @@ class Processor:
     # -- a chunk ---------------------------------------------------------------------------
 
     def decode(self, msg) -> Request | None:
-        """A taken message's request, or None once it is dead-lettered (undecodable)."""
+        """A taken message's request, or None once it is answered here: REJECTED if it is over a
+        size cap yet says who sent it (see Codec.decode_request), else dead-lettered."""
         value = msg.value()
         try:
             if not value:
@@ -93,7 +94,11 @@ class Processor:
             if not stats.consumed:
                 stats.first_consumed_at = time.perf_counter()
             stats.consumed += 1
-            self.responder.dead_letter(msg, (msg.topic(), msg.partition()), msg.offset(), exc.reason, str(exc))
+            tp = (msg.topic(), msg.partition())
+            if isinstance(exc, LimitExceeded) and exc.request is not None:
+                self.responder.reject(tp, msg.offset(), exc.request, exc.refusal)
+            else:
+                self.responder.dead_letter(msg, tp, msg.offset(), exc.reason, str(exc))
             return None
 
     def process(self, entries: list, max_start: int | None = None) -> int:

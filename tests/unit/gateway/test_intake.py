@@ -6,6 +6,7 @@ import asyncio
 
 from pipeline.dlq import H_REASON
 from pipeline.models import Priority, Request, Response, Status
+from pipeline.serde import Codec, SerdeLimits
 from tests.unit.gateway.conftest import Event
 
 
@@ -136,6 +137,45 @@ def test_undecodable_bytes_and_a_bug_are_dead_lettered_and_the_rest_goes_on(gw, 
     assert [dict(h)[H_REASON] for h in dead] == [b"truncated", b"gateway_error"]
     assert [t for t, _ in sent].count(gw.settings.topics.dispatch_topic(Priority.NORMAL)) == 1
     assert garbage.acked and buggy.acked and fine.acked
+
+
+def _over_limit_event(gw, req: Request, offset: int | None = None) -> Event:
+    """``req`` encoded without the codec's caps, as any Kafka client may send it."""
+    big = Codec(gw.codec.store, SerdeLimits(max_prompt_bytes=10**6, max_string_bytes=10**6))
+    return Event(gw.settings.topics.request_topic(req.priority), 0, 200 if offset is None else offset,
+                 big.encode_request(req), req.tenant_id.encode())
+
+
+def test_a_request_over_a_size_cap_is_refused_naming_the_limit_and_remembered_not_dead_lettered(gw):
+    req = Request.new("acme", "p" * 300_000, timeout_ms=600_000, reply_partition=2)
+    event = _over_limit_event(gw, req)
+    [(topic, value)] = handled(gw, event)
+    assert topic == gw.settings.topics.responses and event.acked
+    [(output, _)] = gw.outputs.sent_before
+    assert output.partition == 2 and output.key == b"acme"  # where any answer of it goes
+    answer = gw.codec.decode_response(value)
+    assert (answer.request_id, answer.status) == (req.request_id, Status.REJECTED)
+    assert answer.reason == "invalid_request: prompt is 300000 bytes, over the 262144-byte limit (max_prompt_bytes)"
+    assert gw.tenants.get("acme").outstanding == [0] * 5  # charged nothing
+    # Its id is decided: a copy within the caps gets the same answer, never a dispatch.
+    [(topic, again)] = handled(gw, gw.request_event(Request.new("acme", "small now", request_id=req.request_id)))
+    assert topic == gw.settings.topics.responses and gw.codec.decode_response(again).reason == answer.reason
+
+
+def test_an_over_cap_copy_of_a_dispatched_id_gets_no_second_different_answer(gw):
+    req = Request.new("acme", "done", timeout_ms=600_000)
+    [(_, dispatched)] = handled(gw, gw.request_event(req))
+    completed(gw, gw.codec.decode_request(dispatched))
+    copy = Request.new("acme", "p" * 300_000, request_id=req.request_id)
+    assert handled(gw, _over_limit_event(gw, copy)) == []  # the first answer (COMPLETED) stands
+
+
+def test_an_over_cap_request_that_does_not_say_who_sent_it_is_dead_lettered(gw):
+    req = Request.new("t" * 70_000, "p" * 300_000, timeout_ms=600_000)  # its tenant over max_string_bytes
+    [(topic, _)] = handled(gw, _over_limit_event(gw, req))
+    assert topic == gw.settings.topics.dlq
+    [(output, _)] = gw.outputs.sent_before
+    assert dict(output.headers)[H_REASON] == b"limit_exceeded"
 
 
 def test_an_id_submitted_again_while_its_first_copy_is_on_its_way_is_dropped(gw):

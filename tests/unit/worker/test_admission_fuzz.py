@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import Settings
-from pipeline.errors import DecodeError
+from pipeline.errors import DecodeError, LimitExceeded
 from pipeline.models import Priority, Request, Status, TaskTier, now_ms
 from pipeline.policy.validation import validate_request
-from pipeline.serde import Codec, SchemaStore
+from pipeline.serde import Codec, SchemaStore, SerdeLimits
 from pipeline.testing import FakeMessage, avro_string, zigzag
 from pipeline.worker.backends.simulated import SimulatedBackend
 from pipeline.worker.loop import Worker
@@ -142,12 +142,17 @@ class Harness:
         assert worker.checkpoint.tracker.in_flight(self.tp) == 0
         assert not worker.running
 
-        expected_reason = None
+        expected_reason = refusal = None
         if not value:  # tombstone or zero bytes: one reason for both
             expected_reason = "empty"
         else:
             try:
                 request = self.reference.decode_request(value)
+            except LimitExceeded as exc:  # over a size cap, answered if it says who sent it
+                if exc.request is None:
+                    expected_reason = exc.reason
+                else:
+                    request, refusal = exc.request, exc.refusal
             except DecodeError as exc:
                 expected_reason = exc.reason
         if out.topic() == worker.dlq_topic:
@@ -160,6 +165,10 @@ class Harness:
         assert out.topic() == worker.responses_topic, out.topic()
         assert expected_reason is None, f"decodable by the worker but not by the codec ({expected_reason})"
         resp = worker.codec.decode_response(out.value())
+        if refusal is not None:
+            assert resp.status is Status.REJECTED and resp.reason == refusal
+            assert resp.request_id == request.request_id and resp.tenant_id == request.tenant_id
+            return ("response", "over_limit")
         first = self.first.get(request.request_id)
         if first is not None and validate_request(request, now_ms()) is None:
             # A valid copy of an id answered before: the same answer again, for the same tenant only.
@@ -379,3 +388,17 @@ def test_a_response_larger_than_max_record_bytes_is_answered_failed_not_crashing
     response = h.reference.decode_response(worker.producer.sent[-1].value())
     assert response.reason.startswith("response_too_large")
     assert response.output is None
+
+
+def test_a_request_over_a_size_cap_is_answered_rejected_naming_the_limit_not_dead_lettered():
+    h = harness()
+    big = Codec(SchemaStore.load(), SerdeLimits(max_prompt_bytes=10**6))
+    req = Request.new("tenant-big", "p" * (LIMITS["max_prompt_bytes"] + 1), reply_partition=1)
+    assert h.handle(big.encode_request(req)) == ("response", "over_limit")
+    out = h.worker.producer.sent[-1]
+    assert out.partition() == 1  # where any answer of it goes
+    resp = h.reference.decode_response(out.value())
+    assert resp.reason == (f"invalid_request: prompt is {LIMITS['max_prompt_bytes'] + 1} bytes, over the "
+                           f"{LIMITS['max_prompt_bytes']}-byte limit (max_prompt_bytes)")
+    # Its tenant over the cap: nobody to answer.
+    assert h.handle(big.encode_request(Request.new("t" * 1025, "p" * 5000))) == ("dlq", "limit_exceeded")
