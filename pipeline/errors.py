@@ -56,6 +56,12 @@ class SerdeError(LlmqError):
 class EncodeError(SerdeError):
     """A record could not be encoded against its schema."""
 
+    @property
+    def refusal(self) -> str:
+        """The reason to answer its sender with (REJECTED, HTTP 400): what is wrong, the limit
+        named when it is one, without the record's id."""
+        return "invalid_request: " + str(self).split(": ", 1)[-1]
+
 
 class DecodeError(SerdeError):
     """Bytes could not be decoded into a record.

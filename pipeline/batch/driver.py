@@ -270,8 +270,7 @@ class BatchDriver:
             try:
                 self.client.submit_nowait(req, track=False)
             except EncodeError as exc:
-                reason = str(exc).split(": ", 1)[-1]
-                run.progress.settle(index, Verdict("invalid_request", f"invalid_request: {reason}"))
+                run.progress.settle(index, Verdict("invalid_request", exc.refusal))
 
     def _publish(self, run: Run, now: int, force: bool = False) -> None:
         counts = run.progress.counts()

@@ -30,7 +30,7 @@ from typing import Mapping
 
 from aiohttp import web
 
-from pipeline.errors import LlmqError, RequestTimeoutError
+from pipeline.errors import EncodeError, LlmqError, RequestTimeoutError
 from pipeline.models import Priority, Request, Response, Status, now_ms
 from pipeline.policy.validation import validate_request
 from pipeline.serve.auth import Authenticator, Caller
@@ -155,7 +155,7 @@ class Server:
         """The terminal response; 504 past the deadline, 503 when the process stops first."""
         fut = asyncio.wrap_future(self.client.response_future(req.request_id))
         try:
-            await self.client.submit(req, wait_queued=0)
+            await self._send(req, wait_queued=0)
             timeout = req.timeout_ms / 1000 + _DEADLINE_MARGIN_S
             done, _ = await asyncio.wait((fut, self.stopped), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if fut in done:
@@ -169,6 +169,13 @@ class Server:
             raise
         finally:
             self.client.forget(req.request_id)
+
+    async def _send(self, req: Request, wait_queued: float):
+        """Submit ``req``; one the codec refuses (a field over its size cap) is a 400 naming the limit."""
+        try:
+            return await self.client.submit(req, wait_queued=wait_queued)
+        except EncodeError as exc:
+            raise bad_request(exc.refusal) from None
 
     def cancel(self, request_id: str, reason: str) -> None:
         """Publish a cancellation and do not wait for it (best effort)."""
@@ -237,7 +244,7 @@ class Server:
         self.enter()
         try:
             future = self.client.response_future(req.request_id)
-            sub = await self.client.submit(req, wait_queued=self.cfg.accept_wait_ms / 1000)
+            sub = await self._send(req, wait_queued=self.cfg.accept_wait_ms / 1000)
         except BaseException:
             self.client.forget(req.request_id)
             raise

@@ -22,9 +22,9 @@ import time
 
 from aiohttp import web
 
-from pipeline.errors import LlmqError, RequestTimeoutError
+from pipeline.errors import EncodeError, LlmqError, RequestTimeoutError
 from pipeline.models import Request
-from pipeline.serve.errors import ApiError, for_response
+from pipeline.serve.errors import ApiError, bad_request, for_response
 from pipeline.serve.shapes import CHAT, DONE, Parsed, chunk_event, chunk_events, sse, usage_event
 
 _DEADLINE_MARGIN_S = 2.0
@@ -37,7 +37,10 @@ class Stopped(LlmqError):
 
 async def stream_answer(server, http: web.Request, req: Request, parsed: Parsed) -> web.StreamResponse:
     client, heartbeat = server.client, server.cfg.stream_heartbeat_s
-    stream = await client.open_stream(req, timeout=req.timeout_ms / 1000 + _DEADLINE_MARGIN_S)
+    try:
+        stream = await client.open_stream(req, timeout=req.timeout_ms / 1000 + _DEADLINE_MARGIN_S)
+    except EncodeError as exc:  # a field over its size cap: nothing was sent
+        raise bad_request(exc.refusal) from None
     server.streams.add(stream)
     out: web.StreamResponse | None = None
     try:

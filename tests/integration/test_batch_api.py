@@ -139,6 +139,10 @@ def test_a_batch_runs_to_completed_with_bad_lines_in_the_error_file(bootstrap, t
                 call()
         assert batch.id not in [b.id for b in other.batches.list()]
         assert client.files.delete(file_id).deleted
+        # the same prompt outside a batch: 400 naming the limit, not a 500 or a wait
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="sim-small", prompt=OVER_LIMIT_PROMPT, max_tokens=4)
+        assert "max_prompt_bytes" in str(refused.value) and "/" not in refused.value.message
         with pytest.raises(openai.NotFoundError):
             client.files.retrieve(file_id)
 
