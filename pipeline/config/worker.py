@@ -113,6 +113,11 @@ class WorkerSettings:
     preempt_bands: list[str] = field(default_factory=lambda: ["LOW", "BACKGROUND"])
     #: Times one request may be preempted; after that its call runs to the end (bounds the waste).
     max_preemptions: int = 2
+    #: A waiting request preempts only after it has waited this long for a slot to free on its
+    #: own. Where calls are short and slots many, one frees every few milliseconds, and taking
+    #: one early throws a call's work away (and its slot time) to save less than this; where calls
+    #: run for seconds, the wait is this and no longer. Also for fair preemption. 0: at once.
+    preempt_after_ms: int = 100
     #: Fairness between tenants inside a band: while every slot is busy, a request whose tenant
     #: (the message key: the gateway and the llmq client key by tenant) runs no call in its band
     #: takes the slot of the most recently started call of a tenant running two or more in that
@@ -200,6 +205,7 @@ class WorkerSettings:
         if Priority.CRITICAL.value in self.preempt_bands:
             raise ConfigError("worker.preempt_bands", "CRITICAL has no higher band to give way to")
         non_negative("worker.max_preemptions", self.max_preemptions)
+        non_negative("worker.preempt_after_ms", self.preempt_after_ms)
         if self.group_protocol not in ("consumer", "classic"):
             raise ConfigError("worker.group_protocol", "must be 'consumer' (KIP-848, Kafka >= 4.0) or 'classic'")
         if not self.group_remote_assignor:

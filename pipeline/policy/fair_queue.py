@@ -60,6 +60,7 @@ class Waiting:
     charged: float = 0.0  # counter units charged when picked (given back by put_back)
     gone: bool = False  # removed; its heap entries are skipped
     is_ready: bool = False  # in its tenant's ready heap (else waiting for its not-before time)
+    since_ms: float = 0.0  # when it was queued (a request put back keeps its first time)
 
 
 class _Tenant:

@@ -24,10 +24,6 @@ from pipeline.config import WorkerSettings
 from pipeline.worker.scheduler import Scheduler
 from pipeline.worker.state import Session
 
-# How often a worker whose slots are all busy looks for new requests while some of its calls
-# are preemptible (otherwise worker.idle_poll_ms): each look is one non-blocking consume.
-PREEMPT_POLL_S = 0.001
-
 
 class Flow:
     def __init__(self, cfg: WorkerSettings, session: Session, scheduler: Scheduler):
@@ -52,13 +48,12 @@ class Flow:
         self._slot_free.set()
 
     async def wait_for_slot(self, idle_s: float) -> None:
-        """Every slot is busy: wait for one to free, at most ``idle_s`` (less while a call may
-        be preempted: a higher band's request that arrives need not wait for a slot, only to be
-        seen)."""
+        """Every slot is busy: wait for one to free, at most ``idle_s`` (a higher band's request
+        that arrives meanwhile is seen then, and preempts once it has waited
+        ``worker.preempt_after_ms``)."""
         self._slot_free.clear()
-        timeout = PREEMPT_POLL_S if self.scheduler.victims and idle_s > PREEMPT_POLL_S else idle_s
         try:
-            await asyncio.wait_for(self._slot_free.wait(), timeout)
+            await asyncio.wait_for(self._slot_free.wait(), idle_s)
         except asyncio.TimeoutError:
             pass
 

@@ -122,9 +122,10 @@ class Scheduler:
         entry = Waiting((msg, request), request.tenant_id if self._fair_queuing else "", tp, deadline,
                         request_cost(estimate_tokens(request.prompt), request.max_tokens), not_before,
                         (len(value) if value else 0) + ENTRY_OVERHEAD_BYTES)
+        now = entry.since_ms = now_ms()
         # (Every band's bytes are summed only once this band holds a fifth of the bound: the sum
         # reaches the bound only if some band does.)
-        if queue.push(entry, now_ms()) >= self.cap or (
+        if queue.push(entry, now) >= self.cap or (
                 queue.bytes * len(self.queues) >= self.cap_bytes and self.queued_bytes >= self.cap_bytes):
             self.deep.add(tp)
 
@@ -258,6 +259,9 @@ class Scheduler:
         band = self.bands.pick([q.size > 0 and q.has_ready(now) for q in self.queues])
         if band is None:
             return None
+        head = self.queues[band].peek(now)
+        if head is not None and now - head.since_ms < self.cfg.preempt_after_ms:
+            return None  # a slot may yet free on its own: preempting throws work away
         victim = None
         for key, entry in self.victims.items():
             if entry[0] > band and (victim is None or entry[:2] > victim[1][:2]) and (accept is None or accept(key)):

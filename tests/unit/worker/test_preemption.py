@@ -50,6 +50,7 @@ class GatedBackend(SimulatedBackend):
 
 def make_worker(env: dict | None = None, **worker) -> Worker:
     s = Settings.load(env=env or {})
+    worker.setdefault("preempt_after_ms", 0)  # the mechanism at once; the grace has its own test
     for name, value in worker.items():
         setattr(s.worker, name, value)
     w = Worker(s, GatedBackend(), worker_id="preempt-worker")
@@ -137,6 +138,45 @@ def test_a_critical_request_takes_the_slot_of_the_latest_background_call_which_r
         assert worker.stats.consumed == 3
         waits = worker.metrics.queue_wait.labels("BACKGROUND")
         assert sum(waits.counts) == 2  # the preempted request's wait observed once, at its first start
+
+    asyncio.run(run())
+
+
+def test_a_request_preempts_only_once_it_has_waited_preempt_after_ms_for_a_slot_to_free():
+    async def run():
+        worker = make_worker(max_inflight=1, preempt_after_ms=80)
+        backend, feed = worker.backend, Feed(worker)
+        slow = feed.take(Priority.BACKGROUND)
+        assert worker.dispatch() == 1
+        await settle()
+        urgent = feed.take(Priority.CRITICAL)
+        assert worker.dispatch() == 0 and worker.stats.preempted == 0  # a slot may yet free on its own
+        await asyncio.sleep(0.1)
+        assert worker.dispatch() == 1 and worker.stats.preempted == 1
+        await settle()
+        assert backend.cancelled == [slow.request_id] and backend.calls[-1] == urgent.request_id
+        for request_id in (urgent.request_id, slow.request_id):
+            backend.release(request_id)
+        await settle()
+
+    asyncio.run(run())
+
+
+def test_a_slot_that_frees_within_preempt_after_ms_goes_to_the_waiting_request_without_a_preemption():
+    async def run():
+        worker = make_worker(max_inflight=1, preempt_after_ms=10_000)
+        backend, feed = worker.backend, Feed(worker)
+        slow = feed.take(Priority.BACKGROUND)
+        worker.dispatch()
+        await settle()
+        urgent = feed.take(Priority.CRITICAL)
+        assert worker.dispatch() == 0
+        backend.release(slow.request_id)
+        await settle()
+        assert worker.dispatch() == 1 and worker.stats.preempted == 0 and backend.cancelled == []
+        backend.release(urgent.request_id)
+        await settle()
+        assert [r.request_id for r in answers(worker)] == [slow.request_id, urgent.request_id]
 
     asyncio.run(run())
 
