@@ -55,7 +55,8 @@ KEY = "bench-batch-key-0123456789"
 TARGET = {"interactive_p99_ratio": 1.2, "batch_share_of_leftover": 0.9, "slot_busy_fraction": 0.97}
 #: Everything set here that is not a shipped default.
 OVERRIDES = {"worker": "--backend openai --openai-base-url <simulator>, reading the request topics (no gateway)",
-             "serve": "--port <free>, tenants.file with one tenant (the batch's and the chat's)"}
+             "serve": "--port <free>, tenants.file with one tenant (the batch's and the chat's)",
+             "preemption_off rounds": "worker.preempt_bands = [] (the comparison, not the figures quoted)"}
 
 
 class TimedSampler(Sampler):
@@ -70,7 +71,7 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _processes(s: Settings, workdir: Path, base_url: str) -> tuple[LlmqProcess, LlmqProcess, str]:
+def _processes(s: Settings, workdir: Path, base_url: str, worker_env: dict[str, str]) -> tuple[LlmqProcess, LlmqProcess, str]:
     workdir.mkdir(parents=True, exist_ok=True)
     tenants = workdir / "tenants.toml"
     tenants.write_text(f'[bulk]\nmax_priority = "CRITICAL"\nkey_hashes = ["{hash_key(KEY)}"]\n\n'
@@ -80,8 +81,9 @@ def _processes(s: Settings, workdir: Path, base_url: str) -> tuple[LlmqProcess, 
     metrics_port = free_port()
     env = {**os.environ, **s.topology_env(), "LLMQ_WORKER__METRICS_PORT": str(metrics_port),
            "LLMQ_TENANTS__FILE": str(tenants)}
+    worker_only = {**env, **worker_env}
     worker = LlmqProcess("worker", [sys.executable, "-m", "pipeline.cli", "--log-level", "WARNING", "worker",
-                                    "--backend", "openai", "--openai-base-url", base_url], env, workdir)
+                                    "--backend", "openai", "--openai-base-url", base_url], worker_only, workdir)
     worker.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     port = free_port()
     serve = LlmqProcess("serve", [sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "serve", "--port",
@@ -199,13 +201,13 @@ class Interactive:
         return [r for r in self.results if start <= r[0] < end]
 
 
-def _round(settings: Settings, workdir: Path) -> dict:
+def _round(settings: Settings, workdir: Path, worker_env: dict[str, str]) -> dict:
     s = fresh(settings)
     sim = SimulatorProcess("--served-model-name", "sim-small", "--max-num-seqs", str(SLOTS), "--ttft-ms", str(TTFT_MS),
                            "--ms-per-token", str(MS_PER_TOKEN), "--batch-slowdown", "0")
     worker = serve = None
     try:
-        worker, serve, url = _processes(s, workdir, sim.base_url)
+        worker, serve, url = _processes(s, workdir, sim.base_url, worker_env)
         http = httpx.Client(base_url=f"{url}/v1", headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
         sampler = TimedSampler(sim)
 
@@ -277,16 +279,26 @@ def _round(settings: Settings, workdir: Path) -> dict:
     return out
 
 
-def batch_beside_interactive(settings: Settings, args) -> dict:
-    rounds = max(1, min(getattr(args, "rounds", 1), 3))
-    with tempfile.TemporaryDirectory(prefix="llmq-batch-") as tmp:
-        per = [_round(settings, Path(tmp) / f"r{r}") for r in range(rounds)]
+#: Side by side in alternating rounds: the shipped defaults, and the worker with preemption off.
+MODES = {"defaults": {}, "preemption_off": {"LLMQ_WORKER__PREEMPT_BANDS": ""}}
 
-    def med(key: str):
-        values = [x[key] for x in per if isinstance(x.get(key), (int, float))]
+
+def batch_beside_interactive(settings: Settings, args) -> dict:
+    rounds = max(1, min(getattr(args, "rounds", 1), 2))
+    per: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    with tempfile.TemporaryDirectory(prefix="llmq-batch-") as tmp:
+        for r in range(rounds):
+            for mode in MODES if r % 2 == 0 else reversed(MODES):
+                _log(f"  batch_beside_interactive round {r + 1}, {mode}")
+                per[mode].append(_round(settings, Path(tmp) / f"{mode}{r}", MODES[mode]))
+
+    def med(rows: list[dict], key: str):
+        values = [x[key] for x in rows if isinstance(x.get(key), (int, float))]
         return round(statistics.median(values), 4) if values else None
 
-    out = {k: med(k) for k in per[0] if isinstance(per[0][k], (int, float))}
+    first = per["defaults"][0]
+    out = {k: med(per["defaults"], k) for k in first if isinstance(first[k], (int, float))}
+    out["preemption_off"] = {k: med(per["preemption_off"], k) for k in first if isinstance(first[k], (int, float))}
     out.update({"rounds": per, "targets": TARGET, "overrides": OVERRIDES, "lines": LINES, "rate": RATE,
                 "conditions": f"simulator {SLOTS} slots, {TTFT_MS} ms prefill, {MS_PER_TOKEN} ms a decode step, no "
                               f"batch slowdown; answers of {TOKENS} tokens; interactive NORMAL chat at {RATE}/s "

@@ -119,7 +119,7 @@ class BatchDriver:
         lost = {p.partition for p in parts}
         self.owned -= lost
         for batch_id in [b for b in self.runs if self.store.partition_of(b) in lost]:
-            del self.runs[batch_id]
+            self._drop(batch_id)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -189,6 +189,15 @@ class BatchDriver:
         position = self._answers.position([TopicPartition(self.responses, partition)])[0].offset
         if position < 0 or position > offset:
             self._answers.seek(tp)
+
+    def _drop(self, batch_id: str) -> None:
+        """Stop driving a batch; a reply partition no other batch here reads is let go (reading
+        it would decode every answer of the clients that share it)."""
+        run = self.runs.pop(batch_id)
+        partition = run.record.reply_partition
+        if partition in self._assigned and all(r.record.reply_partition != partition for r in self.runs.values()):
+            self._answers.incremental_unassign([TopicPartition(self.responses, partition)])
+            self._assigned.discard(partition)
 
     # -- answers -------------------------------------------------------------------------------
 
@@ -304,7 +313,7 @@ class BatchDriver:
         else:
             rec.cancelled_at = stamp
         self.store.put_batch(rec)
-        del self.runs[rec.id]
+        self._drop(rec.id)
         log.info("batch %s: %s, %d completed, %d failed of %d", rec.id, status, rec.completed, rec.failed, rec.total)
 
     def _result_file(self, rec: R.BatchRecord, kind: str, docs: list[dict]) -> str | None:
