@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 from aiohttp import web
@@ -127,8 +128,10 @@ class BatchApi:
     async def content(self, http: web.Request) -> web.Response:
         rec = self._file(http)
         data = await self._io(self.store.read_file, rec.id)
+        # The name is the uploader's: only plain characters go into a header.
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", rec.filename)[:128] or "file.jsonl"
         return web.Response(body=data, content_type="application/octet-stream",
-                            headers={"Content-Disposition": f'attachment; filename="{rec.filename}"'})
+                            headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
     async def delete_file(self, http: web.Request) -> web.Response:
         rec = self._file(http)
