@@ -291,14 +291,17 @@ class Worker:
         while True:
             room = cfg.max_inflight - len(tasks)
             if room > 0 and backend_room is not None:
-                # A preempted call gives its server slot back once its cancellation has run.
-                free = backend_room() + processor.releasing
+                free = backend_room()
                 if free < room:
                     room = free
                     self._backend_full = free <= 0
             if room <= 0:
-                # (A full backend with a preempted call still releasing counts that slot as
-                # free: one waiting request never cancels two calls.)
+                # A preempted call gives its server slot back once its cancellation has run (the
+                # next turn): until then nothing can start, and the request it made way for
+                # cancels no second call. Taking requests meanwhile only put them back, up to
+                # a chunk's worth each turn.
+                if processor.releasing:
+                    break
                 if scheduler.may_preempt and processor.preempt():
                     continue
                 break
