@@ -114,10 +114,10 @@ class WorkerSettings:
     #: Times one request may be preempted; after that its call runs to the end (bounds the waste).
     max_preemptions: int = 2
     #: A waiting request preempts only after it has waited this long for a slot to free on its
-    #: own. Where calls are short and slots many, one frees every few milliseconds, and taking
-    #: one early throws a call's work away (and its slot time) to save less than this; where calls
-    #: run for seconds, the wait is this and no longer. Also for fair preemption. 0: at once.
-    preempt_after_ms: int = 100
+    #: own (fair preemption too). 0: at once, the lowest latency for the higher band. Where calls
+    #: are short and slots many, one frees every few milliseconds, and a little patience saves
+    #: the preempted calls' work for the lower band at that much latency to the higher.
+    preempt_after_ms: int = 0
     #: Fairness between tenants inside a band: while every slot is busy, a request whose tenant
     #: (the message key: the gateway and the llmq client key by tenant) runs no call in its band
     #: takes the slot of the most recently started call of a tenant running two or more in that

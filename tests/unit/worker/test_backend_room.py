@@ -83,7 +83,6 @@ class SlotBackend:
 
 def make_worker(backend, **worker) -> Worker:
     s = Settings.load(env={})
-    worker.setdefault("preempt_after_ms", 0)  # the mechanism at once; the grace has its own test
     for name, value in worker.items():
         setattr(s.worker, name, value)
     w = Worker(s, backend, worker_id="room-worker")

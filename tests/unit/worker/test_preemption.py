@@ -50,7 +50,6 @@ class GatedBackend(SimulatedBackend):
 
 def make_worker(env: dict | None = None, **worker) -> Worker:
     s = Settings.load(env=env or {})
-    worker.setdefault("preempt_after_ms", 0)  # the mechanism at once; the grace has its own test
     for name, value in worker.items():
         setattr(s.worker, name, value)
     w = Worker(s, GatedBackend(), worker_id="preempt-worker")
