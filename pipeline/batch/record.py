@@ -42,8 +42,22 @@ def cancel_key(batch_id: str) -> str:
     return f"{batch_id}/cancel"
 
 
+class _Json:
+    """A record as its topic holds it: JSON of its fields; fields it does not know are dropped
+    (written by a newer llmq), fields missing take their defaults (an older one)."""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes):
+        doc = json.loads(raw)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in doc.items() if k in known})
+
+
 @dataclass
-class BatchRecord:
+class BatchRecord(_Json):
     id: str
     tenant: str
     input_file_id: str
@@ -80,15 +94,6 @@ class BatchRecord:
     def terminal(self) -> bool:
         return self.status in TERMINAL
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> "BatchRecord":
-        doc = json.loads(raw)
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in doc.items() if k in known})
-
     def view(self, cancel_asked_at: int | None = None) -> dict[str, Any]:
         """OpenAI's batch object. A cancel asked for and not yet acted on shows as cancelling."""
         status, cancelling_at = self.status, self.cancelling_at
@@ -108,7 +113,7 @@ class BatchRecord:
 
 
 @dataclass
-class FileRecord:
+class FileRecord(_Json):
     """A file's metadata record; its bytes are ``chunks`` records of the files topic."""
 
     id: str
@@ -121,15 +126,6 @@ class FileRecord:
     lines: int = 0
     #: Result files: the batch they belong to (deleted with it).
     batch_id: str | None = None
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> "FileRecord":
-        doc = json.loads(raw)
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in doc.items() if k in known})
 
     def view(self) -> dict[str, Any]:
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,

@@ -20,3 +20,10 @@ def test_a_record_round_trips_and_shows_a_pending_cancel_as_cancelling():
     rec.status = "completed"
     assert rec.view(cancel_asked_at=20)["status"] == "completed"
     assert result_file_id("batch_ab", "output") == "file-ab-output"
+
+
+def test_a_record_from_a_newer_or_older_writer_still_reads():
+    newer = b'{"id":"batch_1","tenant":"t","input_file_id":"f","endpoint":"/v1/completions","completion_window":"1h",' \
+            b'"created_at":1,"expires_at":3601,"status":"in_progress","a_field_from_the_future":7}'
+    rec = BatchRecord.from_json(newer)
+    assert rec.status == "in_progress" and rec.total == 0 and rec.answers_from == -1
