@@ -141,7 +141,7 @@ class BatchDriver:
     # -- adopting ------------------------------------------------------------------------------
 
     def _adopt(self) -> None:
-        for rec in self.store.list_batches():
+        for rec in self.store.all_batches():
             if rec.terminal or rec.id in self.runs or self.store.partition_of(rec.id) not in self.owned:
                 continue
             try:
@@ -329,7 +329,7 @@ class BatchDriver:
         """Finished batches past batch.retention_s go, with their output and error files."""
         self._swept = time.monotonic()
         horizon = time.time() - self.cfg.retention_s
-        for rec in self.store.list_batches():
+        for rec in self.store.all_batches():
             ended = rec.ended_at
             if ended is None or ended > horizon or self.store.partition_of(rec.id) not in self.owned:
                 continue

@@ -170,6 +170,11 @@ class BatchStore:
             out = [f for f in self.files.values() if f.tenant == tenant and (purpose is None or f.purpose == purpose)]
         return sorted(out, key=lambda f: (f.created_at, f.id), reverse=True)
 
+    def all_batches(self) -> list[BatchRecord]:
+        """Every batch, unordered (the driver's look for work, many times a second)."""
+        with self._lock:
+            return list(self.batches.values())
+
     def list_batches(self, tenant: str | None = None) -> list[BatchRecord]:
         with self._lock:
             out = [b for b in self.batches.values() if tenant is None or b.tenant == tenant]

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from pipeline.batch import record as R
 from pipeline.batch.store import BatchStore
+from pipeline.errors import LlmqError
 from pipeline.models import Priority
 from pipeline.serve.errors import ApiError, bad_request
 
@@ -109,13 +110,17 @@ class BatchApi:
         await self._io(self.store.put_file, rec, self.store.chunks_of(data))
         return _json(rec.view())
 
-    def _file(self, http: web.Request) -> R.FileRecord:
+    def _owned(self, http: web.Request, what: str):
+        """The caller's file or batch named in the path; another tenant's is as unknown as none."""
         caller = self.server.auth.caller(http.headers)
-        file_id = http.match_info["file_id"]
-        rec = self.store.file(file_id, caller.tenant)
+        ident = http.match_info[f"{what}_id"]
+        rec = (self.store.file if what == "file" else self.store.batch)(ident, caller.tenant)
         if rec is None:
-            raise _not_found("file", file_id)
+            raise _not_found(what, ident)
         return rec
+
+    def _file(self, http: web.Request) -> R.FileRecord:
+        return self._owned(http, "file")
 
     async def list_files(self, http: web.Request) -> web.Response:
         caller = self.server.auth.caller(http.headers)
@@ -127,7 +132,11 @@ class BatchApi:
 
     async def content(self, http: web.Request) -> web.Response:
         rec = self._file(http)
-        data = await self._io(self.store.read_file, rec.id)
+        try:
+            data = await self._io(self.store.read_file, rec.id)
+        except LlmqError:
+            raise ApiError(503, "the file's contents cannot be read from Kafka now; retry", "server_error",
+                           "file_unavailable", retry_after_s=5) from None
         # The name is the uploader's: only plain characters go into a header.
         name = re.sub(r"[^A-Za-z0-9._-]", "_", rec.filename)[:128] or "file.jsonl"
         return web.Response(body=data, content_type="application/octet-stream",
@@ -186,12 +195,7 @@ class BatchApi:
         return _json(rec.view())
 
     def _batch(self, http: web.Request) -> R.BatchRecord:
-        caller = self.server.auth.caller(http.headers)
-        batch_id = http.match_info["batch_id"]
-        rec = self.store.batch(batch_id, caller.tenant)
-        if rec is None:
-            raise _not_found("batch", batch_id)
-        return rec
+        return self._owned(http, "batch")
 
     async def get_batch(self, http: web.Request) -> web.Response:
         rec = self._batch(http)
