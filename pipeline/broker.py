@@ -35,6 +35,7 @@ from importlib import resources
 from pathlib import Path
 
 from pipeline.config import DEFAULT_JVM_OPTIONS
+from pipeline.config.topics import min_insync_replicas
 from pipeline.errors import BrokerError
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _port_in_use(port: int) -> bool:
+def port_in_use(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -206,14 +207,44 @@ def new_cluster_id() -> str:
             return cluster_id
 
 
+@dataclass(frozen=True)
+class NodeRole:
+    """Who a broker is in its cluster: alone (the defaults), or one of ``replicas`` nodes that
+    share a cluster id and a static controller quorum (``voters``, KRaft's
+    ``controller.quorum.voters``), each node both broker and controller."""
+
+    node_id: int = 1
+    voters: str = ""
+    controller_port: int = 0
+    cluster_id: str = ""
+    replicas: int = 1
+
+    @property
+    def min_isr(self) -> int:
+        return min_insync_replicas(self.replicas)
+
+    def replication_props(self) -> dict[str, str]:
+        """A replicated cluster's defaults: internal topics on every node, and a write
+        acknowledged by acks=all only once a majority has it (RF 3, min ISR 2: one node may
+        be down without stopping writes, and a leader's death loses nothing acknowledged)."""
+        rf, isr = str(self.replicas), str(self.min_isr)
+        return {"offsets.topic.replication.factor": rf, "transaction.state.log.replication.factor": rf,
+                "transaction.state.log.min.isr": isr, "share.coordinator.state.topic.replication.factor": rf,
+                "share.coordinator.state.topic.min.isr": isr, "default.replication.factor": rf,
+                "min.insync.replicas": isr}
+
+
 class LocalBroker:
     """A local broker; with ``secure`` its one client listener is SASL_SSL (SCRAM-SHA-512) with a
     private CA, and the standard ACL authorizer denies whatever no ACL allows."""
 
     def __init__(self, port: int = 9092, data_dir: str | os.PathLike = ".llmq/kafka", *,
                  kafka_version: str = "4.4.0", heap: str = "768m", cache_dir: str = "",
-                 progress=print, secure: bool = False, jvm_options: str = DEFAULT_JVM_OPTIONS):
+                 progress=print, secure: bool = False, jvm_options: str = DEFAULT_JVM_OPTIONS,
+                 node: "NodeRole | None" = None):
         self.port = port
+        # Alone (the default), or one node of a cluster (pipeline/cluster.py).
+        self.node = node or NodeRole()
         self.jvm_options = shlex.split(jvm_options)
         self.secure = secure
         self.data_dir = Path(data_dir).resolve()
@@ -289,8 +320,8 @@ class LocalBroker:
             return False
         return broker_answers(self.bootstrap, timeout, conf)
 
-    def status(self) -> BrokerStatus:
-        return BrokerStatus(self._answers(), self.bootstrap, self.pid(), self.log_file, self.data_dir)
+    def status(self, probe: bool = True) -> BrokerStatus:
+        return BrokerStatus(probe and self._answers(), self.bootstrap, self.pid(), self.log_file, self.data_dir)
 
     # -- up -------------------------------------------------------------------------------
 
@@ -306,11 +337,13 @@ class LocalBroker:
         gc = [] if any(_chooses_collector(o) for o in self.jvm_options) else ["-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20"]
         return [f"-Xms{self.heap}", f"-Xmx{self.heap}", *gc]
 
-    def up(self, timeout: float = 90.0) -> BrokerStatus:
-        """Start the broker unless it already runs; return once it answers metadata requests."""
+    def up(self, timeout: float = 90.0, *, wait: bool = True) -> BrokerStatus:
+        """Start the broker unless it already runs; return once it answers metadata requests
+        (at once with ``wait=False``: a cluster's node cannot answer before a quorum of its
+        controllers runs, so a cluster starts every node, then waits)."""
         pid = self.pid()
         if pid is not None:
-            if self._wait_ready(pid, timeout):
+            if not wait or self._wait_ready(pid, timeout):
                 return self.status()
             raise BrokerError(f"broker process {pid} runs but does not answer on {self.bootstrap}; see {self.log_file}")
         formatted = (self.data_dir / "data" / "meta.properties").exists()
@@ -318,7 +351,7 @@ class LocalBroker:
             want, have = ("secure", "plaintext") if self.secure else ("plaintext", "secure")
             raise BrokerError(f"{self.data_dir} holds a {have} broker; start it {'with' if have == 'secure' else 'without'}"
                               f" --secure, or use another --data-dir for a {want} one")
-        if _port_in_use(self.port):
+        if port_in_use(self.port):
             if broker_answers(self.bootstrap):
                 raise BrokerError(f"another Kafka broker (not started from {self.data_dir}) already listens on "
                                   f"{self.bootstrap}; stop it or pick --port")
@@ -349,6 +382,8 @@ class LocalBroker:
                                 start_new_session=True, cwd=self.data_dir)
         stdout.close()
         self._pid_file.write_text(f"{proc.pid}\n")
+        if not wait:
+            return self.status(probe=False)
         if not self._wait_ready(proc.pid, timeout):
             self.down()
             raise BrokerError(f"broker did not answer on {self.bootstrap} within {timeout:.0f}s; "
@@ -366,10 +401,12 @@ class LocalBroker:
         return False
 
     def _controller_port(self) -> int:
+        if self.node.controller_port:
+            return self.node.controller_port
         path = self.data_dir / "controller.port"
         with contextlib.suppress(OSError, ValueError):
             port = int(path.read_text())
-            if port != self.port and not _port_in_use(port):
+            if port != self.port and not port_in_use(port):
                 return port
         port = free_port()
         while port == self.port:
@@ -378,13 +415,14 @@ class LocalBroker:
         return port
 
     def write_config(self, controller_port: int) -> None:
-        """This node's server.properties: one KRaft broker and controller, with the replication
-        settings a single broker needs."""
+        """This node's server.properties: a KRaft broker and controller, with the replication
+        settings of a single broker, or of a cluster's node."""
         data = self.data_dir / "data"
+        node = self.node
         props = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
+            "node.id": str(node.node_id),
+            "controller.quorum.voters": node.voters or f"{node.node_id}@127.0.0.1:{controller_port}",
             "listeners": f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{controller_port}",
             "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
             "controller.listener.names": "CONTROLLER",
@@ -438,6 +476,8 @@ class LocalBroker:
             "fetch.purgatory.purge.interval.requests": "10",
             "producer.purgatory.purge.interval.requests": "10",
         }
+        if node.replicas > 1:
+            props.update(node.replication_props())
         if self.secure or self.is_secure():
             props.update(self._secure_props(controller_port))
         self.properties.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
@@ -472,7 +512,7 @@ class LocalBroker:
         }
 
     def _format(self, classpath: str) -> None:
-        cluster_id = new_cluster_id()
+        cluster_id = self.node.cluster_id or new_cluster_id()
         self.progress(f"formatting KRaft storage in {self.data_dir / 'data'} (cluster {cluster_id})")
         extra = []
         if self.secure:

@@ -67,6 +67,55 @@ def _broker(args, settings: Settings):
                        secure=getattr(args, "secure", False), jvm_options=b.jvm_options)
 
 
+def _cluster(args, settings: Settings):
+    """The local cluster the arguments name: --nodes > 1, or a data dir that holds one."""
+    from pipeline.cluster import LocalCluster
+
+    b = settings.broker
+    nodes = args.nodes or b.nodes
+    data_dir = args.data_dir or b.data_dir
+    if nodes <= 1 and not LocalCluster.exists(data_dir):
+        return None
+    options = dict(kafka_version=b.kafka_version, heap=b.heap, cache_dir=b.cache_dir, jvm_options=b.jvm_options,
+                   progress=lambda m: print(m, file=sys.stderr))
+    if getattr(args, "secure", False):
+        raise LlmqError("--secure runs a single broker; a local cluster is PLAINTEXT")
+    if LocalCluster.exists(data_dir) and not args.nodes:
+        return LocalCluster.at(data_dir, **options)
+    return LocalCluster(nodes, args.port or b.port, data_dir, **options)
+
+
+def cmd_cluster(args, cluster) -> int:
+    if args.action == "up":
+        st = cluster.up()
+        pids = ", ".join(f"{i}: {s.pid}" for i, s in st.nodes.items())
+        print(f"Kafka cluster up: {len(st.nodes)} nodes at {st.bootstrap} (PLAINTEXT; pids {pids}; data {cluster.data_dir})")
+        print("# topics: replication factor {0}, min.insync.replicas {1}".format(
+            cluster.replication_factor, next(iter(cluster.nodes.values())).node.min_isr))
+        for k, v in cluster.client_env().items():
+            print(f"export {k}={v}")
+        return 0
+    if args.action == "status":
+        st = cluster.status()
+        states = {i: "answering" if s.running else ("process running, not answering" if s.pid else "not running")
+                  for i, s in st.nodes.items()}
+        if args.json:
+            _print_json({"bootstrap": st.bootstrap, "answering": st.running, "registered": st.registered,
+                         "nodes": [{"node_id": i, "bootstrap": s.bootstrap, "state": states[i], "pid": s.pid,
+                                    "data_dir": str(s.data_dir), "log_file": str(s.log_file)}
+                                   for i, s in st.nodes.items()]})
+        else:
+            print(f"Kafka cluster at {st.bootstrap}: {len(st.registered)} of {len(st.nodes)} brokers registered")
+            for i, s in st.nodes.items():
+                print(f"  node {i} {s.bootstrap}: {states[i]} (pid {s.pid or '-'}, log {s.log_file})")
+        return 0 if st.running else 1
+    if args.action == "down":
+        was = cluster.down()
+        print(f"Kafka cluster at {cluster.bootstrap}: {'stopped' if was else 'was not running'}")
+        return 0
+    raise AssertionError(args.action)
+
+
 def cmd_broker(args) -> int:
     from pipeline.broker import fetch_jars
 
@@ -76,6 +125,9 @@ def cmd_broker(args) -> int:
                           progress=lambda m: print(m, file=sys.stderr, flush=True))
         print(f"Kafka {settings.broker.kafka_version} jars: {path}")
         return 0
+    cluster = _cluster(args, settings)
+    if cluster is not None:
+        return cmd_cluster(args, cluster)
     broker = _broker(args, settings)
     if args.action == "up":
         st = broker.up()
@@ -444,13 +496,19 @@ def build_parser() -> argparse.ArgumentParser:
         _global_options(p, suppress=True)
         return p
 
-    p = command("broker", "run a local single-node Apache Kafka (KRaft) from Maven jars",
+    p = command("broker", "run a local Apache Kafka (KRaft) from Maven jars: one broker, or a replicated cluster",
                 "Manage the local development broker. `up` formats storage on first use, starts Kafka in the "
                 "background and waits until it answers; it is idempotent. `status` exits 0 only when the broker "
                 "answers. `down` stops it and leaves no process. `fetch` only downloads the jars (once, into "
-                "~/.cache/llmq, counting them as Maven copies them).")
+                "~/.cache/llmq, counting them as Maven copies them). With --nodes 3, `up` runs a replicated "
+                "cluster of three KRaft nodes (broker and controller each) on consecutive ports, and prints the "
+                "environment its clients need (every node as bootstrap, replication factor 3); `status` and `down` "
+                "find the cluster by its data dir.")
     p.add_argument("action", choices=["up", "status", "down", "fetch"])
-    p.add_argument("--port", type=int, help="client port (default 9092; the controller gets a free port)")
+    p.add_argument("--nodes", type=int, help="up: nodes of a local replicated cluster (default 1: one broker; "
+                                             "topics then get RF = nodes and min.insync.replicas 2)")
+    p.add_argument("--port", type=int, help="client port (default 9092; a cluster's nodes take the next ones; "
+                                            "controllers get free ports)")
     p.add_argument("--data-dir", help="storage, logs and pid file (default .llmq/kafka)")
     p.add_argument("--secure", action="store_true",
                    help="up: a SASL_SSL listener (SCRAM-SHA-512, a generated private CA) with the ACL authorizer; "

@@ -56,6 +56,11 @@ def pipeline_topics(settings: Settings) -> list[TopicSpec]:
                            "completion receipts"))
     specs += [TopicSpec(name, t.batch_partitions, t.replication_factor, dict(t.batch_config), role)
               for name, role in ((t.files, "batch files"), (t.batches, "batches"))]
+    if t.replication_factor > 1:
+        # Set on the topic, not left to the broker's default: acks=all then means what the
+        # settings say on any cluster.
+        isr = {"min.insync.replicas": str(t.min_isr)}
+        specs = [TopicSpec(s.name, s.partitions, s.replication_factor, {**isr, **s.config}, s.role) for s in specs]
     return specs
 
 

@@ -19,6 +19,9 @@ class BrokerSettings:
     """The local development broker started by ``llmq broker up``."""
 
     port: int = 9092
+    #: 1: one broker. More: a replicated local cluster (pipeline/cluster.py), its nodes on
+    #: consecutive ports from ``port``; set topics.replication_factor to match.
+    nodes: int = 1
     data_dir: str = ".llmq/kafka"
     heap: str = "768m"
     kafka_version: str = "4.4.0"
@@ -31,3 +34,5 @@ class BrokerSettings:
     def validate(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError("broker.port", f"must be a TCP port, got {self.port}")
+        if not 1 <= self.nodes <= 9:
+            raise ConfigError("broker.nodes", f"must be 1 to 9, got {self.nodes}")

@@ -16,6 +16,13 @@ DEFAULT_POOLS: dict[str, tuple[str, ...]] = {
     "all": ("CRITICAL", "HIGH", "NORMAL", "LOW", "BACKGROUND"),
 }
 
+def min_insync_replicas(replication_factor: int) -> int:
+    """Kafka's usual pairing: RF 3 → 2, RF 2 → 1, one broker → 1. Fewer than all replicas, so
+    one may be down without refusing acks=all writes; with RF 3 a majority, so a write
+    acknowledged to a producer survives its leader's death."""
+    return max(1, min(2, replication_factor - 1))
+
+
 @dataclass
 class TopicSettings:
     prefix: str = "llm"
@@ -23,6 +30,9 @@ class TopicSettings:
     response_partitions: int = 6
     dlq_partitions: int = 1
     replication_factor: int = 1
+    #: min.insync.replicas of the topics llmq creates; 0 = from the replication factor
+    #: (RF 3 → 2, RF 2 → 1, RF 1 → 1). A topic's own *_config wins.
+    min_insync_replicas: int = 0
     request_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(7 * 24 * 3600 * 1000)})
     response_config: dict[str, str] = field(default_factory=lambda: {"retention.ms": str(7 * 24 * 3600 * 1000)})
     cancellation_partitions: int = 3
@@ -45,6 +55,10 @@ class TopicSettings:
     batch_partitions: int = 3
     batch_config: dict[str, str] = field(default_factory=lambda: {
         "cleanup.policy": "compact", "max.message.bytes": str(2 * 1024 * 1024)})
+
+    @property
+    def min_isr(self) -> int:
+        return self.min_insync_replicas or min_insync_replicas(self.replication_factor)
 
     def request_topic(self, priority: Priority) -> str:
         return f"{self.prefix}.requests.{priority.value.lower()}"
@@ -114,3 +128,6 @@ class TopicSettings:
         if not self.prefix or any(c.isspace() for c in self.prefix):
             raise ConfigError("topics.prefix", "must be a non-empty name without spaces")
         positive("topics.dispatch_partitions", self.dispatch_partitions)
+        if not 0 <= self.min_insync_replicas <= self.replication_factor:
+            raise ConfigError("topics.min_insync_replicas",
+                              f"must be 0 (automatic) or at most topics.replication_factor ({self.replication_factor})")
