@@ -866,7 +866,8 @@ class AsyncLlmqClient:
         """``async with client.stream(req) as s: async for chunk in s`` (or ``s = await client.stream(req)``)."""
         return _StreamStart(self, request, timeout)
 
-    async def open_stream(self, request: Request, timeout: float = 60.0) -> AsyncReplyStream:
+    async def open_stream(self, request: Request, timeout: float = 60.0,
+                          submit_timeout: float | None = None) -> AsyncReplyStream:
         request = self.engine.addressed(replace(request, stream=True))
         stream = AsyncReplyStream(self, request, timeout)
         loop = asyncio.get_running_loop()
@@ -876,7 +877,7 @@ class AsyncLlmqClient:
         push = stream.push
         self.engine.correlator.attach(request.request_id, lambda item: waker.push(push, item))
         try:
-            await self.submit(request, timeout=timeout, wait_queued=0)
+            await self.submit(request, timeout=timeout if submit_timeout is None else submit_timeout, wait_queued=0)
         except BaseException:
             stream.close()
             raise

@@ -106,6 +106,7 @@ class Settings:
                 "LLMQ_TOPICS__REQUEST_PARTITIONS": str(t.request_partitions),
                 "LLMQ_TOPICS__RESPONSE_PARTITIONS": str(t.response_partitions),
                 "LLMQ_TOPICS__DISPATCH_PARTITIONS": str(t.dispatch_partitions),
+                "LLMQ_TOPICS__REPLICATION_FACTOR": str(t.replication_factor),
                 "LLMQ_WORKER__GROUP_ID": self.worker.group_id}
 
     def validate(self) -> None:

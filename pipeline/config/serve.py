@@ -44,6 +44,11 @@ class ServeSettings:
     #: up to max_timeout_ms (the gateway's own cap still applies).
     default_timeout_ms: int = 60_000
     max_timeout_ms: int = 600_000
+    #: The longest a request waits for Kafka to take it (its partition's leader to acknowledge
+    #: the write; shorter when the request's deadline is nearer). Past it the request is
+    #: withdrawn and the caller gets 503 with Retry-After: while a leader moves or the cluster
+    #: restarts, a caller retries rather than holds a connection on a write that may never land.
+    submit_timeout_ms: int = 10_000
     #: max_tokens of a request whose body names none.
     default_max_tokens: int = 256
     #: POST /v1/requests waits this long for the gateway's word (QUEUED with position and ETA,
@@ -74,7 +79,7 @@ class ServeSettings:
         if not 0 <= self.port < 65536:
             raise ConfigError("serve.port", f"must be a TCP port, got {self.port}")
         self.reply_partition_list()
-        for key in ("default_max_tokens", "default_timeout_ms", "max_timeout_ms", "max_inflight", "max_body_bytes", "result_ttl_s",
+        for key in ("default_max_tokens", "default_timeout_ms", "max_timeout_ms", "submit_timeout_ms", "max_inflight", "max_body_bytes", "result_ttl_s",
                     "result_max", "stream_heartbeat_s"):
             positive(f"serve.{key}", getattr(self, key))
         if self.default_timeout_ms > self.max_timeout_ms:

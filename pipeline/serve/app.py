@@ -30,7 +30,7 @@ from typing import Mapping
 
 from aiohttp import web
 
-from pipeline.errors import EncodeError, LlmqError, RequestTimeoutError
+from pipeline.errors import EncodeError, KafkaOperationError, LlmqError, RequestTimeoutError
 from pipeline.models import Priority, Request, Response, Status, now_ms
 from pipeline.policy.validation import validate_request
 from pipeline.serve.auth import Authenticator, Caller
@@ -155,8 +155,10 @@ class Server:
         """The terminal response; 504 past the deadline, 503 when the process stops first."""
         fut = asyncio.wrap_future(self.client.response_future(req.request_id))
         try:
+            started = asyncio.get_running_loop().time()
             await self._send(req, wait_queued=0)
-            timeout = req.timeout_ms / 1000 + _DEADLINE_MARGIN_S
+            # The deadline runs from the call, so a slow write shortens the wait.
+            timeout = max(0.0, req.timeout_ms / 1000 + _DEADLINE_MARGIN_S - (asyncio.get_running_loop().time() - started))
             done, _ = await asyncio.wait((fut, self.stopped), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if fut in done:
                 return fut.result()
@@ -171,11 +173,26 @@ class Server:
             self.client.forget(req.request_id)
 
     async def _send(self, req: Request, wait_queued: float):
-        """Submit ``req``; one the codec refuses (a field over its size cap) is a 400 naming the limit."""
+        """Submit ``req``; one the codec refuses (a field over its size cap) is a 400 naming the
+        limit, and one Kafka does not take in time (serve.submit_timeout_ms, or the deadline) is
+        withdrawn (cancelled: librdkafka may still deliver it later) and answered 503."""
+        limit = self.submit_timeout_s(req)
         try:
-            return await self.client.submit(req, wait_queued=wait_queued)
+            return await self.client.submit(req, timeout=limit, wait_queued=wait_queued)
         except EncodeError as exc:
             raise bad_request(exc.refusal) from None
+        except KafkaOperationError:
+            raise self.not_taken(req, limit) from None
+
+    def submit_timeout_s(self, req: Request) -> float:
+        return min(self.cfg.submit_timeout_ms, max(req.timeout_ms, 1)) / 1000
+
+    def not_taken(self, req: Request, limit: float) -> ApiError:
+        """A request Kafka did not take in time: withdrawn (librdkafka may still deliver it)."""
+        self.cancel(req.request_id, "not written to Kafka in time; the caller was told to retry")
+        return ApiError(503, f"Kafka did not take the request within {limit:g} s (a partition leader moving, or "
+                             "the cluster down); it was withdrawn: retry", "server_error", "kafka_unavailable",
+                        retry_after_s=2)
 
     def cancel(self, request_id: str, reason: str) -> None:
         """Publish a cancellation and do not wait for it (best effort)."""

@@ -22,7 +22,7 @@ import time
 
 from aiohttp import web
 
-from pipeline.errors import EncodeError, LlmqError, RequestTimeoutError
+from pipeline.errors import EncodeError, KafkaOperationError, LlmqError, RequestTimeoutError
 from pipeline.models import Request
 from pipeline.serve.errors import ApiError, bad_request, for_response
 from pipeline.serve.shapes import CHAT, DONE, Parsed, chunk_event, chunk_events, sse, usage_event
@@ -38,9 +38,12 @@ class Stopped(LlmqError):
 async def stream_answer(server, http: web.Request, req: Request, parsed: Parsed) -> web.StreamResponse:
     client, heartbeat = server.client, server.cfg.stream_heartbeat_s
     try:
-        stream = await client.open_stream(req, timeout=req.timeout_ms / 1000 + _DEADLINE_MARGIN_S)
+        stream = await client.open_stream(req, timeout=req.timeout_ms / 1000 + _DEADLINE_MARGIN_S,
+                                          submit_timeout=server.submit_timeout_s(req))
     except EncodeError as exc:  # a field over its size cap: nothing was sent
         raise bad_request(exc.refusal) from None
+    except KafkaOperationError:
+        raise server.not_taken(req, server.submit_timeout_s(req)) from None
     server.streams.add(stream)
     out: web.StreamResponse | None = None
     try:

@@ -11,6 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from pipeline.client import AsyncReplyStream, Submitted
 from pipeline.config import Settings
+from pipeline.errors import KafkaOperationError
 from pipeline.models import Chunk, Request, Response, Status
 from pipeline.serve.app import Server, build_app
 from pipeline.tenants.keys import hash_key
@@ -36,8 +37,9 @@ class FakeClient:
     """Answers each submitted request with ``script(request)``: Responses (QUEUED or terminal) and
     Chunks, each optionally as (delay_s, item)."""
 
-    def __init__(self, script):
+    def __init__(self, script, *, kafka_down: bool = False):
         self.script = script
+        self.kafka_down = kafka_down  # no write is acknowledged: submit times out
         self.sent: list[Request] = []
         self.cancelled: list[tuple[str, str]] = []
         self.futures: dict[str, Future] = {}
@@ -76,6 +78,9 @@ class FakeClient:
             stream.push(item)
 
     async def submit(self, req: Request, timeout: float = 30.0, track: bool = True, wait_queued: float = 10.0):
+        if self.kafka_down:
+            await asyncio.sleep(timeout)
+            raise KafkaOperationError(f"submit {req.request_id}", f"not acknowledged within {timeout}s")
         self.sent.append(req)
         self.response_future(req.request_id)
         loop = asyncio.get_running_loop()
@@ -90,10 +95,10 @@ class FakeClient:
                 word = item
         return Submitted(req.request_id, "topic", 0, len(self.sent), word)
 
-    async def open_stream(self, req: Request, timeout: float = 60.0) -> AsyncReplyStream:
+    async def open_stream(self, req: Request, timeout: float = 60.0, submit_timeout: float | None = None) -> AsyncReplyStream:
         req = self.addressed(replace(req, stream=True))
         stream = self.streams[req.request_id] = AsyncReplyStream(self, req, timeout)
-        await self.submit(req, wait_queued=0)
+        await self.submit(req, timeout=timeout if submit_timeout is None else submit_timeout, wait_queued=0)
         return stream
 
     async def result(self, request_id: str, timeout: float = 60.0) -> Response:
@@ -114,10 +119,10 @@ def settings(**serve) -> Settings:
 
 
 @contextlib.asynccontextmanager
-async def running(script, **serve):
+async def running(script, kafka_down: bool = False, **serve):
     """(http client, Server, FakeClient) for one test."""
     s = settings(**serve)
-    fake = FakeClient(script)
+    fake = FakeClient(script, kafka_down=kafka_down)
     server = Server(s, TenantRegistry(s), fake)
     async with TestClient(TestServer(build_app(server))) as http:
         yield http, server, fake

@@ -149,6 +149,24 @@ def test_no_answer_before_the_deadline_is_504_and_the_request_is_cancelled():
     assert cancelled and cancelled[0][0] == sent[0].request_id
 
 
+def test_a_write_kafka_does_not_take_in_time_is_a_503_with_retry_after_and_is_withdrawn():
+    async def go():
+        async with running(lambda req: [], kafka_down=True, submit_timeout_ms=50) as (http, server, fake):
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            plain = await http.post("/v1/chat/completions", json=CHAT, headers=auth())
+            took = loop.time() - started
+            streamed = await http.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=auth())
+            await asyncio.sleep(0.05)
+            return (plain.status, plain.headers.get("Retry-After"), await plain.json(), took, streamed.status,
+                    fake.cancelled)
+    status, retry_after, body, took, streamed, cancelled = run(go())
+    assert status == 503 and retry_after == "2" and body["error"]["code"] == "kafka_unavailable"
+    assert took < 1.0  # the submit timeout, not the 60-s deadline
+    assert streamed == 503
+    assert len(cancelled) == 2
+
+
 def test_a_stream_as_server_sent_events_with_usage_and_done():
     def script(req):
         return [*chunks(req, ["hel", "lo"]), (0.05, completed(req, "hello"))]
