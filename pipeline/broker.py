@@ -153,6 +153,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def lasting_ports(count: int, low: int = 20_000) -> int:
+    """The first of ``count`` consecutive free ports below the kernel's ephemeral range, for
+    servers that restart on the same port: a port from that range (``free_port``) may be given
+    to some client's outgoing connection while its server is down, and the restart then cannot
+    bind it."""
+    import random
+
+    try:
+        high = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        high = 32_768
+    high = max(high, low + 1000)
+    for _ in range(200):
+        first = random.randrange(low, high - count)
+        if not any(port_in_use(first + i) or not _bindable(first + i) for i in range(count)):
+            return first
+    raise BrokerError(f"no {count} free consecutive ports between {low} and {high}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 def port_in_use(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)

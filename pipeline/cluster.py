@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.broker import BrokerStatus, LocalBroker, NodeRole, port_in_use, free_port, new_cluster_id
+from pipeline.broker import BrokerStatus, LocalBroker, NodeRole, lasting_ports, new_cluster_id, port_in_use
 from pipeline.config import DEFAULT_JVM_OPTIONS
 from pipeline.errors import BrokerError
 
@@ -194,8 +194,9 @@ class LocalCluster:
 
 
 def _spare_port(taken: set[int]) -> int:
+    """A controller port: below the ephemeral range, as a node restarts on it (lasting_ports)."""
     while True:
-        port = free_port()
-        if port not in taken and not port_in_use(port):
+        port = lasting_ports(1)
+        if port not in taken:
             taken.add(port)
             return port

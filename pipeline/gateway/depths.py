@@ -8,6 +8,14 @@ offsets are the arrival and drain totals (:meth:`pipeline.policy.queues.QueueMod
 
 The admin calls block, so they run on a thread of their own; each reading is handed to the event
 loop.
+
+The workers' commits are read with a consumer per worker group (``committed()``, never
+subscribing), not the admin client's ListConsumerGroupOffsets: librdkafka aborts the process in
+that coordinator request when the group's coordinator goes away mid-call (librdkafka#4605,
+"rd_kafka_enq_once_del_source_return: Assertion `eonce->refcnt > 0' failed"; fix proposed in
+confluentinc/librdkafka#5397), or crashes reading its NOT_COORDINATOR answer (librdkafka#5040).
+On a replicated cluster that is every coordinator move: both gateways of the fault harness died
+so when a partition leader was killed.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from pipeline.config import Settings
@@ -50,6 +58,9 @@ class DispatchDepths:
         self.timeout_s = timeout_s
         self.admin = AdminClient(settings.kafka.admin_config())
         self.groups = list(settings.gateway.worker_groups or settings.worker.group_ids())
+        # Only OffsetFetch on the group's coordinator: these consumers never join their group.
+        self.readers = {g: Consumer(settings.kafka.consumer_config(g, **{"client.id": "llmq-gateway-depths"}))
+                        for g in self.groups}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmq-gateway-depths", daemon=True)
         self._warned = False
@@ -58,7 +69,7 @@ class DispatchDepths:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stop.set()  # the thread closes its readers as it ends
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -72,6 +83,8 @@ class DispatchDepths:
                                 "reading until it works again", exc)
                     self._warned = True
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+        for reader in self.readers.values():
+            reader.close()
 
     def read(self) -> Reading:
         tps = [TopicPartition(t, p) for t in self.topics for p in range(self.partitions)]
@@ -101,13 +114,11 @@ class DispatchDepths:
 
     def _committed(self) -> dict[tuple[str, int], int]:
         """The furthest commit of the worker groups on each dispatch partition (one pool reads a band)."""
-        requests = [ConsumerGroupTopicPartitions(group) for group in self.groups]
+        tps = [TopicPartition(t, p) for t in self.topics for p in range(self.partitions)]
         out: dict[tuple[str, int], int] = {}
-        for request in requests:
-            futures = self.admin.list_consumer_group_offsets([request], request_timeout=self.timeout_s)
-            for fut in futures.values():
-                for tp in fut.result().topic_partitions:
-                    if tp.topic in self.topics and tp.offset >= 0:
-                        key = (tp.topic, tp.partition)
-                        out[key] = max(out.get(key, 0), tp.offset)
+        for reader in self.readers.values():
+            for tp in reader.committed(tps, timeout=self.timeout_s):
+                if tp.error is None and tp.offset >= 0:
+                    key = (tp.topic, tp.partition)
+                    out[key] = max(out.get(key, 0), tp.offset)
         return out

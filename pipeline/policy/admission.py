@@ -98,8 +98,12 @@ class RateLimits:
 class Admission:
     def __init__(self, priority: PriorityPolicy, limits: RateLimits, quotas: FairnessQuotas, queues: QueueModel,
                  degrade: DegradePolicy, *, max_timeout_ms: int = 600_000, topics_prefix: str | None = None,
-                 early_expiry: bool = True, max_delay_ms: int = 30_000):
+                 early_expiry: bool = True, max_delay_ms: int = 30_000, reorder_ms: int = 10_000):
         self.priority = priority
+        #: A request read at most this long after a later arrival of its tenant is judged at its own
+        #: arrival (the limits hold exactly over intervals of arrivals); an older one at the buckets'
+        #: clock, so that a long backlog is not refused for charges made after it arrived.
+        self.reorder_ms = reorder_ms
         self.limits = limits
         self.quotas = quotas
         self.queues = queues
@@ -117,7 +121,8 @@ class Admission:
     def decide(self, req: Request, now_ms: int, state: TenantState, *, cancelled: bool = False,
                arrived_ms: int | None = None) -> Decision:
         """``arrived_ms``: when the request reached Kafka (its record's timestamp), the clock of the
-        token buckets (never behind the latest arrival they were charged at: TenantState.bucket_time);
+        token buckets (a refusal's retry-after counts from the latest arrival they were charged at:
+        TenantState.bucket_time);
         a gateway that falls behind then neither squeezes a backlog through one burst nor lets it
         through late. Deadlines run on ``now_ms``."""
         problem = validate_request(req, now_ms, self.topics_prefix)
@@ -171,11 +176,17 @@ class Admission:
             notes += (f"degraded {degraded_from} -> {model} at load {load:.0%}",)
 
         charged = prompt_tokens + req.max_tokens
-        at = state.bucket_time(now_ms if arrived_ms is None else arrived_ms)
-        # Held back no longer than its deadline allows (on the buckets' clock, which runs from
-        # the arrival), nor than the longest delay.
+        # Judged at its own arrival, so that the limit holds over intervals of arrivals however the
+        # five band topics are read (ratelimit.admit), unless it is older than the reorder window
+        # (self.reorder_ms); a refusal's retry-after runs from the buckets' clock.
+        arrived = now_ms if arrived_ms is None else arrived_ms
+        clock = state.bucket_time(arrived)
+        at = arrived if clock - arrived <= self.reorder_ms else clock
+        # Held back no longer than its deadline allows (counted from its arrival), nor than the
+        # longest delay.
         max_delay = max(0, min(self.max_delay_ms, left - (now_ms - at)))
-        limited = ratelimit.admit(state.buckets, self.limits.of(tenant), model, charged, at, max_delay)
+        limited = ratelimit.admit(state.buckets, self.limits.of(tenant), model, charged, at, max_delay,
+                                  clock_ms=clock)
         if not limited.admitted:
             return Decision(Action.REJECT, f"rate_limited: limit {limited.limit}: {limited.detail}",
                             retry_after_ms=limited.retry_after_ms or None, band=band)
@@ -196,9 +207,8 @@ class Admission:
                        arrived_ms: int) -> None:
         """The effect of an admission decided before, applied to a state that does not hold it yet
         (the state is written less often than decisions are recorded): charged and counted as then."""
-        at = state.bucket_time(arrived_ms)
-        ratelimit.charge(state.buckets, self.limits.of(tenant), model, charged_tokens, at)
-        state.charged_at(at)
+        ratelimit.charge(state.buckets, self.limits.of(tenant), model, charged_tokens, arrived_ms)
+        state.charged_at(arrived_ms)
         state.admitted(band.rank)
 
     def finished(self, tenant: str, state: TenantState, band: Priority, model: str | None, charged_tokens: int,

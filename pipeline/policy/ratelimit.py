@@ -64,11 +64,19 @@ Buckets = MutableMapping[str, list]
 
 
 def admit(buckets: Buckets, limits: list[RateLimit], model: str, tokens: int, now_ms: float,
-          max_delay_ms: float = 0.0) -> RateDecision:
+          max_delay_ms: float = 0.0, clock_ms: float | None = None) -> RateDecision:
     """Admit and charge every limit, or refuse (charging nothing) naming the limit that waits longest.
+
+    ``now_ms`` is the moment the request is judged at: its arrival. Judged at its own arrival
+    whatever order requests are read in, a limit admits at most ``burst + rate x L`` over any
+    interval L of arrivals (each admission moves a TAT on by an interval, and needs it within the
+    burst of its own arrival). ``clock_ms``, the latest arrival the buckets were charged at, is
+    where a refusal's ``retry_after_ms`` counts from: a request read late is told how long from
+    now, not from its arrival.
 
     A request over only "delay" limits, by no more than ``max_delay_ms``, is admitted and charged
     with the wait as ``delay_ms``."""
+    since = max(0.0, clock_ms - now_ms) if clock_ms is not None else 0.0
     charges = []
     worst: RateDecision | None = None
     delay = 0.0
@@ -98,7 +106,7 @@ def admit(buckets: Buckets, limits: list[RateLimit], model: str, tokens: int, no
             if limit.over == "delay" and wait <= max_delay_ms:
                 delay = max(delay, wait)
             else:
-                retry = max(1, int(wait + 0.999))
+                retry = max(1, int(wait - since + 0.999))
                 if worst is None or retry > worst.retry_after_ms:
                     worst = RateDecision(False, limit.name, retry, over)
         charges.append((key, new_requests, new_tokens))

@@ -24,11 +24,11 @@ class TenantState:
     clock: int = 0
 
     def bucket_time(self, arrived_ms: int) -> int:
-        """The moment the buckets judge a request that arrived at ``arrived_ms``: its arrival, or
-        the latest arrival they were charged at if that is later. A tenant's requests sit in five
-        band topics and are not read in arrival order (CRITICAL first; after a failover, a band's
-        backlog behind another band's fresh requests): an older one must meet the buckets as they
-        are now, not as if the charges after its arrival were debts it ran up itself."""
+        """The buckets' clock when a request that arrived at ``arrived_ms`` is read: its arrival,
+        or the latest arrival they were charged at if that is later. A tenant's requests sit in
+        five band topics and are not read in arrival order (CRITICAL first; after a failover, a
+        band's backlog behind another band's fresh requests). A request is judged at its own
+        arrival; a refusal's retry-after counts from this clock."""
         return arrived_ms if arrived_ms > self.clock else self.clock
 
     def charged_at(self, at_ms: int) -> None:

@@ -14,8 +14,8 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource
 
+from pipeline.broker import lasting_ports
 from pipeline.cluster import LocalCluster
-from tests.integration.harness import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -26,9 +26,7 @@ def llmq(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def test_three_nodes_replicate_topics_and_lose_a_leader_without_losing_a_write(tmp_path):
-    port = free_port()
-    while any(_in_use(port + i) for i in (1, 2)):
-        port = free_port()
+    port = lasting_ports(3)
     data = str(tmp_path / "cluster")
     up = llmq("broker", "up", "--nodes", "3", "--port", str(port), "--data-dir", data)
     assert up.returncode == 0, up.stderr
@@ -104,9 +102,3 @@ def _read_all(bootstrap: str, topic: str, expected: int, timeout: float = 30.0) 
     finally:
         consumer.close()
     return values
-
-
-def _in_use(port: int) -> bool:
-    from pipeline.broker import port_in_use
-
-    return port_in_use(port)
