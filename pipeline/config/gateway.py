@@ -11,6 +11,7 @@ from pipeline.errors import ConfigError
 from pipeline.models import Priority
 
 _LIMIT_KEYS = ("window_ms", "requests", "tokens", "scope", "burst", "token_burst", "over")
+PROCESSING_GUARANTEES = ("at-least-once", "exactly-once")
 #: What [gateway.shadow] may replace: the limits an operator tries out before enforcing them.
 SHADOW_KEYS = ("limits", "tenant_limits", "tenant_outstanding", "tenant_outstanding_overrides", "queue_caps")
 
@@ -97,7 +98,9 @@ class GatewaySettings:
     web_port: int = 6066
     web_host: str = "127.0.0.1"
     #: "at-least-once": a request's offset is committed once its outputs are delivered and its
-    #: tenant's state is written; after a crash, what was not committed is admitted again.
+    #: tenant's state is written; after a crash, what was not committed is admitted again (its
+    #: outputs sent again). "exactly-once": outputs and offsets commit in one transaction per
+    #: request partition (pipeline/gateway/transactions.py); read_committed readers see no repeat.
     processing_guarantee: str = "at-least-once"
     #: Effective priority: band offset per user tier (negative = up), deadline urgency, load.
     tier_offsets: dict[str, int] = field(default_factory=lambda: {"enterprise": -1, "standard": 0, "free": 1})
@@ -246,8 +249,9 @@ class GatewaySettings:
         self._check_shadow()
         if self.demote_floor not in Priority.__members__:
             raise ConfigError("gateway.demote_floor", f"unknown band (known: {BAND_NAMES})")
-        if self.processing_guarantee != "at-least-once":
-            raise ConfigError("gateway.processing_guarantee", "must be 'at-least-once'")
+        if self.processing_guarantee not in PROCESSING_GUARANTEES:
+            raise ConfigError("gateway.processing_guarantee",
+                              f"must be one of {', '.join(PROCESSING_GUARANTEES)}, got {self.processing_guarantee!r}")
         if self.decision_flush_ms < 0:
             raise ConfigError("gateway.decision_flush_ms", f"must be >= 0, got {self.decision_flush_ms!r}")
         non_negative("gateway.rate_limit_max_delay_ms", self.rate_limit_max_delay_ms)

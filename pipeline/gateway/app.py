@@ -16,6 +16,8 @@
 * :class:`~pipeline.gateway.checkpoint.DecisionCheckpoint`: outputs leave only after the decision
   behind them is in the changelogs, and a request is acknowledged only after its outputs are
   delivered and its tenant's state is written; the agents' streams are ``noack()`` for that.
+  Exactly-once (``gateway.processing_guarantee``), the outputs and the offsets behind them commit
+  in one transaction per request partition instead (:mod:`pipeline.gateway.transactions`).
 
 Everything goes through Faust's public API: agents, tables, timers, tasks, web views, signals
 and documented settings.
@@ -44,6 +46,7 @@ from pipeline.gateway.partitions import Ownership, partitioner
 from pipeline.gateway.positions import HoleReader, ReadPositions, RequestPartition, committed_or_start
 from pipeline.gateway.seen import SeenDecisions
 from pipeline.gateway.tenant_states import TenantStates
+from pipeline.gateway.transactions import Redeliveries, Transactions
 from pipeline.models import BANDS, Priority, now_ms
 from pipeline.observability.metrics import GatewayMetrics
 from pipeline.partitioning import tenant_partition
@@ -99,6 +102,12 @@ class Gateway:
         self.request_ranks = {t.request_topic(p): p.rank for p in BANDS}
         faust_compat.set_fetch_wait(g.fetch_max_wait_ms, g.fetch_min_bytes)
         scheme = faust_compat.broker_scheme()
+        exactly_once = g.processing_guarantee == "exactly-once"
+        if exactly_once and scheme != faust_compat.SCHEME:
+            raise ConfigError("gateway.processing_guarantee", "exactly-once holds Faust's commits through the "
+                              f"shim written for {faust_compat.WRITTEN_FOR}; installed: "
+                              f"{faust_compat.installed_versions()}")
+        faust_compat.set_read_committed(exactly_once)
         self.app = faust.App(
             app_id, broker=[f"{scheme}://{hp.strip()}" for hp in settings.kafka.bootstrap.split(",")],
             broker_credentials=_credentials(settings), store="memory://", autodiscover=False,
@@ -147,11 +156,19 @@ class Gateway:
         self.cancellations: CancellationView | None = None
         self._reload = True  # after a rebalance: memory is rebuilt from the recovered tables
         self._stopping = False
-        self.outputs = Outputs(settings.kafka.producer_config(**{
-            "client.id": f"{app_id}-out", "linger.ms": g.producer_linger_ms}), self._refused)
+        self.outputs: Outputs | None = None
+        self.transactions: Transactions | None = None
+        self.redeliveries = Redeliveries()
+        if exactly_once:
+            self.transactions = Transactions(
+                app_id, {**settings.kafka.aiokafka_config(), "client_id": f"{app_id}-eos"}, self._refused,
+                hold_commits=lambda: faust_compat.commits_held(self.app.consumer))
+        else:
+            self.outputs = Outputs(settings.kafka.producer_config(**{
+                "client.id": f"{app_id}-out", "linger.ms": g.producer_linger_ms}), self._refused)
         self.checkpoint = DecisionCheckpoint(self.app.producer, self.tenants, self.seen, self.outputs,
                                              state_every_s=g.state_flush_ms / 1000.0,
-                                             every_s=g.decision_flush_ms / 1000.0)
+                                             every_s=g.decision_flush_ms / 1000.0, transactions=self.transactions)
         common = dict(codec=self.codec, admission=self.admission, tenants=self.tenants, seen=self.seen,
                       checkpoint=self.checkpoint, metrics=self.metrics)
         self.intake = Intake(wire=settings.serde.wire_format, topics=t, cancelled=self._cancelled,
@@ -173,6 +190,9 @@ class Gateway:
             async def admit(stream):
                 async for event in stream.noack().events():
                     msg = event.message
+                    if not gateway.fresh(msg):
+                        event.ack()
+                        continue
                     tp = RequestPartition(msg.topic, msg.partition)
                     hole = gateway.positions.check(tp, msg.offset)
                     skipped = ()
@@ -185,12 +205,16 @@ class Gateway:
         @app.agent(self.finished_in, name="completions")
         async def completions(stream):
             async for event in stream.noack().events():
+                if not gateway.fresh(event.message):
+                    event.ack()
+                    continue
                 gateway._maybe_reload()
                 gateway.completions.handle(event)
 
         @app.task
         async def start() -> None:
-            gateway.outputs.start(asyncio.get_running_loop())
+            if gateway.outputs is not None:
+                gateway.outputs.start(asyncio.get_running_loop())
             gateway.depths.start()
             await gateway.checkpoint.run()
 
@@ -204,6 +228,9 @@ class Gateway:
             mine = [RequestPartition(tp.topic, tp.partition) for tp in assigned if tp.topic in request_topics]
             # In the loop, not an executor: no record of the new generation may be handled before this.
             gateway.positions.assigned(mine)
+            if gateway.transactions is not None:
+                gateway.redeliveries.assigned()
+                await gateway.transactions.assigned(gateway.ownership.active)
 
         app.on_partitions_assigned.connect(assigned)
 
@@ -212,7 +239,10 @@ class Gateway:
             gateway.depths.stop()
             gateway.registry.stop()
             await gateway.checkpoint.round(final=True)
-            gateway.outputs.close()
+            if gateway.outputs is not None:
+                gateway.outputs.close()
+            if gateway.transactions is not None:
+                await gateway.transactions.close()
 
         app.on_before_shutdown.connect(close_outputs)
 
@@ -263,9 +293,13 @@ class Gateway:
         if ids:
             log.info("remembering %d request ids from the tables", ids)
 
+    def fresh(self, msg) -> bool:
+        """At-least-once every record is decided; exactly-once not one delivered again (transactions.py)."""
+        return self.transactions is None or self.redeliveries.fresh(msg.topic, msg.partition, msg.offset)
+
     def _refused(self, what: str) -> None:
-        """The broker refused an output after librdkafka's retries: stop, so that a restart redoes
-        everything from the last commit, which is before that output's request."""
+        """The broker refused an output after librdkafka's retries (or a transaction): stop, so
+        that a restart redoes everything from the last commit, which is before that output's request."""
         if self._stopping:
             return
         self._stopping = True

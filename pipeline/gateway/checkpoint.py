@@ -16,6 +16,12 @@ answer it twice, differently: the queue's verdicts (queue_full, load, a deadline
 cannot meet) move on, and the requests of five band topics are not read back in the order they
 were first decided. The wait costs each answer one write to the broker (the round it is
 decided in), which the rounds share.
+
+Exactly-once (``transactions`` given, :mod:`pipeline.gateway.transactions`), a round's outputs
+go out in transactions with the offsets of their requests, so the offsets commit with the
+outputs instead of after the next state write: the tenants' records are written in every round
+(before the transactions), and rounds never overlap (a round that ended later could commit an
+offset behind an earlier one's).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import time
 
 from pipeline.gateway.outputs import Done, Output, Outputs
 from pipeline.gateway.seen import SeenDecisions
+from pipeline.gateway.transactions import Transactions
 from pipeline.gateway.tenant_states import TenantStates
 from pipeline.models import now_ms
 
@@ -36,13 +43,16 @@ class DecisionCheckpoint:
     """An output leaves only after the decision behind it is durable; a request is acknowledged
     once its outputs are delivered and its tenant's state is written."""
 
-    def __init__(self, producer, tenants: TenantStates, seen: SeenDecisions, outputs: Outputs, *,
-                 state_every_s: float = 1.0, every_s: float = 0.0):
+    def __init__(self, producer, tenants: TenantStates, seen: SeenDecisions, outputs: Outputs | None, *,
+                 state_every_s: float = 1.0, every_s: float = 0.0, transactions: Transactions | None = None):
         self.producer = producer  # Faust's (the changelogs')
         self.tenants = tenants
         self.seen = seen
         self.outputs = outputs
-        self.state_every_s = state_every_s
+        self.transactions = transactions
+        # A transaction commits its requests' offsets: their state must be written before it.
+        self.state_every_s = 0.0 if transactions is not None else state_every_s
+        self._one_at_a_time = asyncio.Lock()
         self.every_s = every_s
         self._dones: list[Done] = []  # decided since the last round
         # Their outputs, each request's with its countdown, sent once the round has written the decisions.
@@ -82,6 +92,13 @@ class DecisionCheckpoint:
             await self.round()
 
     async def round(self, *, final: bool = False) -> None:
+        if self.transactions is None:
+            await self._round(final)
+            return
+        async with self._one_at_a_time:
+            await self._round(final)
+
+    async def _round(self, final: bool) -> None:
         self._wake.clear()
         dones, self._dones = self._dones, []
         outputs, self._outputs = self._outputs, []
@@ -96,10 +113,17 @@ class DecisionCheckpoint:
             self._state_at = time.monotonic()
             written, self._unwritten = self._unwritten, []
         await self.producer.flush()
-        send = self.outputs.send
-        for done, outs in outputs:
-            for output in outs:
-                send(output, done)
+        if self.transactions is not None:
+            if not await self.transactions.commit(dones, outputs):
+                return  # the gateway is stopping: nothing of this round is acknowledged
+            for done, outs in outputs:
+                for _ in outs:
+                    done.one()
+        else:
+            send = self.outputs.send
+            for done, outs in outputs:
+                for output in outs:
+                    send(output, done)
         for done in written:
             done.one()
         self.rounds += 1

@@ -16,19 +16,26 @@ or two costs a whole fetch, encoded and decoded in Python for every assigned par
 
 What the shim does: a transport whose consumer thread builds the consumer exactly as Faust
 does (``super()``), then sets the wait and the minimum before the consumer starts, where aiokafka
-reads them into its fetcher. Nothing of Faust or aiokafka is replaced or patched; three private
-names are used (the method overridden, the two attributes set), and only on the versions below,
-where they were read. On any other version the gateway runs on
+reads them into its fetcher. Nothing of Faust or aiokafka is replaced or patched; a few private
+names are used (the method overridden, the attributes set, and for exactly-once the isolation
+level and Faust's commit future), and only on the versions below, where they were read. On any other version the gateway runs on
 Faust's stock transport (the 1.5 s wait) and says so once; ``tests/unit/gateway/
 test_faust_compat.py`` fails as soon as the installed versions differ, so that the shim is
 checked again (or dropped, if upstream made the wait a setting) when the pin moves.
 
 The transport is registered under the ``llmq`` URL scheme through Faust's documented
 ``faust.transports`` entry point (pyproject.toml).
+
+For ``gateway.processing_guarantee = "exactly-once"`` (pipeline/gateway/transactions.py) the same
+consumer also reads read_committed (Faust sets that only for its own exactly_once), and
+:func:`commits_held` keeps Faust's periodic commit out of the way of the gateway's transactions
+through the future Faust itself uses to let one commit run at a time (``Consumer._commit_fut``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from importlib import metadata
 from typing import Any
@@ -51,11 +58,37 @@ FAUST_WAIT_MS = 1500
 #: consumer. Process-wide, as a gateway is a process.
 _fetch_wait_ms = 10
 _fetch_min_bytes = 65_536
+_isolation_level = "read_uncommitted"  # aiokafka's default, as Faust leaves it at at_least_once
 
 
 def set_fetch_wait(ms: int, min_bytes: int = 65_536) -> None:
     global _fetch_wait_ms, _fetch_min_bytes
     _fetch_wait_ms, _fetch_min_bytes = int(ms), int(min_bytes)
+
+
+def set_read_committed(on: bool) -> None:
+    """Exactly-once: what the gateway counts (workers' answers) is only what they committed."""
+    global _isolation_level
+    _isolation_level = "read_committed" if on else "read_uncommitted"
+
+
+@contextlib.asynccontextmanager
+async def commits_held(consumer):
+    """Faust commits no offset while inside: a regular commit that reaches the group after a
+    transaction's offsets (and before that transaction ends) would win over them, taking the
+    group back to an offset whose outputs are committed already. Faust's ``commit`` waits for a
+    commit in progress and then skips its own; a commit of Faust's in progress is waited for
+    here first, so that it lands before the transaction's offsets."""
+    while (running := consumer._commit_fut) is not None:
+        await asyncio.wait([running])
+    mine = consumer._commit_fut = asyncio.get_running_loop().create_future()
+    try:
+        yield
+    finally:
+        if consumer._commit_fut is mine:
+            consumer._commit_fut = None
+        if not mine.done():
+            mine.set_result(None)
 
 
 def installed_versions() -> dict[str, str]:
@@ -84,6 +117,7 @@ class ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
         # Read by AIOKafkaConsumer.start() into its Fetcher; the consumer has not started yet.
         consumer._fetch_max_wait_ms = _fetch_wait_ms
         consumer._fetch_min_bytes = _fetch_min_bytes
+        consumer._isolation_level = _isolation_level
         return consumer
 
 

@@ -230,13 +230,25 @@ class TenantRegistry:
                 self.ensure()
                 continue
             time.sleep(0.5)
-        highs = {}
-        for p in md.partitions:
-            highs[p] = consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10)[1]
+        highs = self._high_watermarks(consumer, md.partitions)
         consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in md.partitions])
         if not any(highs.values()):
             self._ready.set()
         return highs
+
+    def _high_watermarks(self, consumer: Consumer, partitions) -> dict[int, int]:
+        """Where each partition ends now. Asked again while a partition has no leader (a broker
+        of a replicated cluster down): start() bounds the wait, not the first refusal."""
+        while True:
+            try:
+                return {p: consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10)[1]
+                        for p in partitions}
+            except KafkaException as exc:
+                if self._stopping.is_set():
+                    raise
+                log.info("tenant registry: cannot read where %s ends (%s); retrying", self.topic,
+                         exc.args[0].str())
+                time.sleep(1)
 
     def apply(self, records: Iterable[tuple[bytes | None, bytes | None]]) -> bool:
         """Apply topic records (key, value) as one new snapshot; True if anything changed."""
