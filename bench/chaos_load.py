@@ -117,7 +117,9 @@ class SdkCallers:
             with self.log.lock:
                 self.submitted.append(req.request_id)
             try:
-                resp = self.client.result(req.request_id, timeout=self.deadline_s + HUNG_MARGIN_S)
+                # The pipeline answers EXPIRED at the deadline: waiting a little past it tells a
+                # late answer (counted past the deadline) from none.
+                resp = self.client.result(req.request_id, timeout=self.deadline_s + HUNG_MARGIN_S + 10)
                 outcome = resp.status.value
             except LlmqError as exc:
                 outcome = type(exc).__name__

@@ -299,6 +299,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5,
                         help="alternating rounds of llmq and its baseline, where a scenario takes the count")
     parser.add_argument("--prompt-bytes", type=int, default=512, help="prompt size of the generated requests")
+    parser.add_argument("--kills", type=int, default=5,
+                        help="gateway_failover: gateways SIGKILLed one after another (default 5, at least 3)")
     parser.add_argument("--broker-warm-up", type=float, default=60, metavar="SECONDS",
                         help="traffic through the broker this run starts before the first scenario, while "
                              "its JIT compiles (default 60; 0: none)")

@@ -120,6 +120,10 @@ class GatewaySettings:
     #: The longest a request over a "delay" limit is held back (its deadline bounds it too);
     #: one that would wait longer is refused rate_limited with a retry-after.
     rate_limit_max_delay_ms: int = 30_000
+    #: A request read at most this long after a later arrival of its tenant (band topics are not
+    #: read in arrival order; a failover's backlog) is judged at its own arrival, so the limits
+    #: hold over every interval of arrivals; an older one meets the buckets as they are now.
+    rate_limit_reorder_ms: int = 10_000
     #: Per-tenant replacements of ``limits``: tenant → {name → {...}}.
     tenant_limits: dict[str, Any] = field(default_factory=dict)
     #: Fairness: most requests one tenant may have outstanding per band (0 = no cap); over it,
@@ -255,6 +259,7 @@ class GatewaySettings:
         if self.decision_flush_ms < 0:
             raise ConfigError("gateway.decision_flush_ms", f"must be >= 0, got {self.decision_flush_ms!r}")
         non_negative("gateway.rate_limit_max_delay_ms", self.rate_limit_max_delay_ms)
+        non_negative("gateway.rate_limit_reorder_ms", self.rate_limit_reorder_ms)
         for key in ("max_timeout_ms", "urgent_eta_factor", "target_queue_ms", "depth_refresh_ms", "state_flush_ms"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"gateway.{key}", f"must be > 0, got {getattr(self, key)!r}")

@@ -65,7 +65,13 @@ class KafkaSettings:
         conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, "client.id": self.client_id,
                                 # confluent-kafka passes each line to it from the thread that
                                 # polls the client (poll, consume, flush)
-                                "logger": logging.getLogger(KAFKA_LOGGER)}
+                                "logger": logging.getLogger(KAFKA_LOGGER),
+                                # A client that can reach none of the brokers its metadata names
+                                # (a replicated cluster restarted, then a node killed) bootstraps
+                                # again from bootstrap.servers after this long (KIP-1102), not
+                                # after librdkafka's 5 minutes, during which `make chaos` saw
+                                # producers hold their records and consumers fetch nothing.
+                                "metadata.recovery.rebootstrap.trigger.ms": 30_000}
         if self.security_protocol != "PLAINTEXT":
             conf["security.protocol"] = self.security_protocol
         if self.security_protocol.startswith("SASL_"):

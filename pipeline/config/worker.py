@@ -82,6 +82,10 @@ class WorkerSettings:
     #: consumer.session.timeout.ms, set by each worker at start (the broker bounds it with
     #: group.consumer.min/max.session.timeout.ms; if it refuses, its default applies, logged).
     session_timeout_ms: int = 45_000
+    #: A consumer whose group coordinator (its connection, or the group's state in librdkafka's
+    #: statistics) has not been up for this long is replaced: a new session, new clients, from
+    #: the committed offsets (pipeline/worker/coordinator_watch.py). 0 = never.
+    coordinator_stall_ms: int = 30_000
     #: Consumer group protocol. "consumer" (KIP-848, brokers >= Kafka 4.0): the broker assigns
     #: partitions, incrementally, with group_remote_assignor. "classic" (older brokers):
     #: cooperative-sticky, which balances only the number of partitions per worker, so a worker
@@ -183,7 +187,8 @@ class WorkerSettings:
             if not weights[tenant] > 0:
                 raise ConfigError(f"worker.tenant_weights.{tenant}", f"must be more than 0, got {weight!r}")
         self.tenant_weights = weights
-        for key in ("shutdown_grace_s", "sim_latency_ms", "sim_ms_per_token", "metrics_tenant_top_n", "dedupe_window"):
+        for key in ("shutdown_grace_s", "sim_latency_ms", "sim_ms_per_token", "metrics_tenant_top_n", "dedupe_window",
+                    "coordinator_stall_ms"):
             non_negative(f"worker.{key}", getattr(self, key))
         non_negative("worker.producer_linger_ms", self.producer_linger_ms)
         shares = {}

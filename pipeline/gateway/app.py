@@ -271,7 +271,7 @@ class Gateway:
             DegradePolicy(load=g.degrade_load, downgrade=dict(g.downgrade), simple_prompt_tokens=g.simple_prompt_tokens,
                           simple_max_tokens=g.simple_max_tokens),
             max_timeout_ms=g.max_timeout_ms, topics_prefix=self.settings.topics.prefix, early_expiry=g.early_expiry,
-            max_delay_ms=g.rate_limit_max_delay_ms)
+            max_delay_ms=g.rate_limit_max_delay_ms, reorder_ms=g.rate_limit_reorder_ms)
 
     def _registered_limits(self, tenant: str):
         record = self.registry.get(tenant)

@@ -35,6 +35,7 @@ from pipeline.serde import Codec
 from pipeline.serde.factory import codec_for
 from pipeline.worker.backends.base import Backend
 from pipeline.worker.context import WorkerContext
+from pipeline.worker.coordinator_watch import CoordinatorWatch
 from pipeline.worker.membership import apply_group_session
 from pipeline.worker.processor import Processor
 from pipeline.worker.state import WorkerStats
@@ -84,6 +85,8 @@ class Worker:
         self.processor = Processor(ctx, backend)
         self._consumer_overrides = consumer_overrides or {}
         self._producer_overrides = producer_overrides or {}
+        #: The consumer's group coordinator, from its statistics; replaced with each session.
+        self.coordinator = CoordinatorWatch(self.cfg.coordinator_stall_ms / 1000.0)
         self._stop = threading.Event()
         self._backend_full = False  # the last dispatch stopped because the backend had no room
 
@@ -152,6 +155,10 @@ class Worker:
         consumer_conf = {"client.id": f"llmq-worker-{self.worker_id}",
                          "max.poll.interval.ms": cfg.max_poll_interval_ms,
                          **cfg.membership_config(self.worker_id)}
+        self.coordinator = CoordinatorWatch(cfg.coordinator_stall_ms / 1000.0)
+        if cfg.coordinator_stall_ms:
+            consumer_conf.update({"statistics.interval.ms": self.coordinator.interval_ms(),
+                                  "stats_cb": self.coordinator.observe})
         self.checkpoint.configure(producer_conf, consumer_conf, f"llmq-worker-{self.group_id}-{self.worker_id}")
         session.producer = Producer(self.settings.kafka.producer_config(**producer_conf, **self._producer_overrides))
         self.checkpoint.start(session.producer)
@@ -200,6 +207,13 @@ class Worker:
                             now - last_turn, _FROZEN_HOLD_S)
                 hold_until = now + _FROZEN_HOLD_S
             last_turn = now
+            stalled = self.coordinator.stalled_for()
+            if stalled is not None:
+                log.error("the group coordinator has not been reachable for %.0f s (%s) although the consumer "
+                          "keeps trying; starting a new session with new clients from the committed offsets",
+                          stalled, self.coordinator.what)
+                session.restart = True
+                break
             # Always poll: it serves rebalances and keeps max.poll.interval.ms satisfied, even
             # while every backend slot is busy (full partitions are paused, so nothing piles up).
             msgs = consumer.consume(batch, 0)
