@@ -113,17 +113,27 @@ class DecisionCheckpoint:
             self._state_at = time.monotonic()
             written, self._unwritten = self._unwritten, []
         await self.producer.flush()
+        superseded: set[int] = set()
         if self.transactions is not None:
-            if not await self.transactions.commit(dones, outputs):
+            result = await self.transactions.commit(dones, outputs)
+            if result is None:
                 return  # the gateway is stopping: nothing of this round is acknowledged
+            superseded = result  # partitions that moved while the round ran: their owner redoes them
             for done, outs in outputs:
-                for _ in outs:
-                    done.one()
+                if _partition(done) not in superseded:
+                    for _ in outs:
+                        done.one()
         else:
             send = self.outputs.send
             for done, outs in outputs:
                 for output in outs:
                     send(output, done)
         for done in written:
-            done.one()
+            if not superseded or _partition(done) not in superseded:
+                done.one()
         self.rounds += 1
+
+
+def _partition(done: Done) -> int | None:
+    msg = getattr(done.event, "message", None)
+    return None if msg is None else msg.partition

@@ -100,6 +100,13 @@ class TransactionFailed(Exception):
     pass
 
 
+class Superseded(Exception):
+    """A round's transaction fenced by a newer producer of its partition: the partition moved
+    (or moved away and back) while the round ran. Its new producer's start aborted this
+    transaction, and the partition's owner redoes the work from the committed offsets: nothing
+    of it is acknowledged here, and the gateway goes on."""
+
+
 class Redeliveries:
     """Records Faust delivers again within one assignment, dropped before they are decided.
 
@@ -143,6 +150,7 @@ class Transactions:
         self.hold_commits = hold_commits
         self.transaction_timeout_ms = transaction_timeout_ms
         self._producers: dict[int, Any] = {}
+        self._assigned: set[int] = set()
         # Being started: initialising can wait for the previous owner's open transaction to be
         # aborted, and Faust may hand over the partition's records meanwhile.
         self._starting: dict[int, asyncio.Task] = {}
@@ -161,6 +169,7 @@ class Transactions:
         owner's open transaction is aborted first). Awaited here, the wait outlasted the group
         session, the gateway was expelled, and every member rejoined again. A round waits for
         its partition's producer instead."""
+        self._assigned = set(partitions)
         new = sorted(p for p in partitions if p not in self._producers and p not in self._starting)
         for p in new:  # before any await: a round from now on waits for them
             self._starting[p] = asyncio.ensure_future(self._start(p))
@@ -219,28 +228,33 @@ class Transactions:
     async def close(self) -> None:
         await asyncio.gather(*(self._stop(p) for p in {*self._producers, *self._starting}))
 
-    async def commit(self, dones: list[Done], outputs: list[tuple[Done, list[Output]]]) -> bool:
+    async def commit(self, dones: list[Done], outputs: list[tuple[Done, list[Output]]]) -> set[int] | None:
         """Commit the round's outputs with their offsets, one transaction per partition number
         with outputs (in parallel: each has its producer). Partitions whose events had no output
-        need none: Faust commits them once they are acknowledged. False: a transaction failed, the
-        gateway is stopping, and nothing of this round may be acknowledged."""
+        need none: Faust commits them once they are acknowledged. Returns the partitions whose
+        transactions were superseded (their events must not be acknowledged), or None: a
+        transaction failed, the gateway is stopping, and nothing of this round may be acknowledged."""
         work = [w for w in group_round(dones, outputs).values() if w.outputs]
         if not work:
-            return True
+            return set()
         if self.hold_commits is None:
             results = await self._all(work)
         else:
             async with self.hold_commits():
                 results = await self._all(work)
-        failures = [r for r in results if isinstance(r, BaseException)]
+        superseded = [r for r in results if isinstance(r, Superseded)]
+        if superseded:
+            log.info("%d transactions of this round fenced by a newer producer of their partition (it moved); "
+                     "its owner redoes them", len(superseded))
+        failures = [r for r in results if isinstance(r, BaseException) and not isinstance(r, Superseded)]
         if failures:
             exc = failures[0]
             what = f"transaction refused ({type(exc).__name__}: {exc})"
             self.failed.append(what)
             self.on_failure(what)
-            return False
-        self.committed += len(work)
-        return True
+            return None
+        self.committed += len(work) - len(superseded)
+        return {exc.args[0] for exc in superseded}
 
     async def _all(self, work: list[PartitionWork]) -> list:
         # Every transaction ends before Faust may commit again, the failed ones' neighbours too.
@@ -265,9 +279,18 @@ class Transactions:
                 {TopicPartition(topic, work.partition): offset for topic, offset in work.offsets.items()},
                 self.group_id)
             await producer.commit_transaction()
-        except BaseException:
+        except BaseException as exc:
             try:
                 await producer.abort_transaction()
             except Exception:  # noqa: BLE001 (fenced or broken: the broker aborts it on the next init)
                 pass
+            if _fenced(exc) and (work.partition not in self._assigned
+                                 or self._producers.get(work.partition) is not producer):
+                raise Superseded(work.partition) from exc
             raise
+
+
+def _fenced(exc: BaseException) -> bool:
+    from aiokafka.errors import ProducerFenced
+
+    return isinstance(exc, ProducerFenced)

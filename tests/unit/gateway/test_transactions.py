@@ -83,7 +83,7 @@ def transactions(log, failures, fail=None, held=None):
 def test_one_transaction_per_partition_with_outputs_and_its_offsets_in_it():
     log, failures = [], []
     a, b, c = done("req.high", 0, 7, 1), done("req.high", 1, 3, 1), done("responses", 2, 11)
-    assert run(transactions(log, failures).commit([a, b, c], [(a, [out("a")]), (b, [out("b")])]))
+    assert run(transactions(log, failures).commit([a, b, c], [(a, [out("a")]), (b, [out("b")])])) == set()
     assert [step for p, step in log if p == 0] == [
         "begin", ("send", b"a"), ("offsets", "gw", [("req.high", 0, 8)]), "commit"]
     assert [step for p, step in log if p == 1][-1] == "commit"
@@ -101,6 +101,34 @@ def test_a_failed_transaction_aborts_stops_the_gateway_and_acknowledges_nothing(
     run(checkpoint.round())
     assert (1, "abort") in log and len(failures) == 1 and "commit refused" in failures[0]
     assert not any(e.acked for e in events)  # partition 0's commit went through, but the round failed
+
+
+def test_a_transaction_fenced_after_its_partition_moved_is_left_to_the_new_owner_and_the_gateway_goes_on():
+    from aiokafka.errors import ProducerFenced
+
+    log, failures, faust_log = [], [], []
+    txns = transactions(log, failures)
+
+    class Fenced(Producer):
+        async def commit_transaction(self):
+            self._step("commit")
+            raise ProducerFenced()
+
+    moved = Fenced(log, 1)
+    txns._producers[1] = moved
+    checkpoint = _checkpoint(faust_log, txns)
+    events = [Event("req.high", p, 5, b"") for p in (0, 1)]
+    for e in events:
+        checkpoint.after_write(e, [out(f"p{e.message.partition}")])
+
+    async def moved_while_committing():
+        txns._assigned = {0, 2}  # partition 1 went to another gateway meanwhile
+        await checkpoint.round()
+
+    run(moved_while_committing())
+    assert not failures  # not a reason to stop
+    assert events[0].acked and not events[1].acked  # partition 1's owner redoes it
+    assert (1, "abort") in log
 
 
 def test_requests_are_acknowledged_only_after_their_transaction_and_state_write():
@@ -216,7 +244,7 @@ def test_a_round_waits_for_the_producer_of_a_partition_still_being_started():
         await assigning
         return await committing
 
-    assert run(scenario()) and started == [0] and not failures
+    assert run(scenario()) == set() and started == [0] and not failures
     assert [step for _, step in log][-1] == "commit"
 
 
