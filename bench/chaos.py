@@ -286,7 +286,9 @@ def failed(mode: str, r: dict) -> list[str]:
     for kind in ("sdk", "serve"):
         if r[kind]["past_deadline"]:
             why.append(f"{r[kind]['past_deadline']} {kind} calls waited past their deadline")
-    bad = {k: v for k, v in r["serve"]["other"].items() if k not in ("504",)}
+    # A 503 (Kafka could not take the request; Retry-After) and a 504 at the deadline are answers
+    # a caller can act on; giving up on retrying at its own deadline too.
+    bad = {k: v for k, v in r["serve"]["other"].items() if k not in ("503", "504") and not k.startswith("gave up")}
     if bad:
         why.append(f"serve answered {bad}")
     return why

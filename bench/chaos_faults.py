@@ -71,14 +71,13 @@ class Supervised:
             return f"killed after {timeout:.0f} s"
 
 
-def fault_plan(rng: random.Random, kinds: list[str]) -> list[tuple[float, str]]:
+def fault_plan(rng: random.Random, kinds: list[str], first: float = 0.05, last: float = 0.85) -> list[tuple[float, str]]:
+    """Each fault at a random point of its own slot between ``first`` and ``last`` (fractions of
+    the requests written), in random order: spread over the run, never past its end."""
     kinds = list(kinds)
     rng.shuffle(kinds)
-    gap = 0.8 / len(kinds)
-    points = sorted(rng.uniform(0.05, 0.85) for _ in kinds)
-    for i in range(1, len(points)):
-        points[i] = max(points[i], points[i - 1] + gap)
-    return list(zip(points, kinds))
+    slot = (last - first) / len(kinds)
+    return [(first + i * slot + rng.uniform(0.2, 0.8) * slot, kind) for i, kind in enumerate(kinds)]
 
 
 class Faults:
