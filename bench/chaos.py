@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -318,6 +319,8 @@ def main(argv=None) -> int:
     # The harness's own SDK client would log every connection a fault breaks; the processes'
     # logs keep theirs.
     logging.getLogger("pipeline").setLevel(logging.ERROR)
+    # SIGTERM (a CI time limit, `timeout`): unwind, so that the processes and the cluster stop too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     _log(f"seed {seed} (rerun the same fault schedule with --seed {seed})")
     rng = random.Random(seed)
