@@ -45,13 +45,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from pipeline.chunks import ChunkOrder
 from pipeline.config import Settings
 from pipeline.errors import AuthenticationError, DecodeError, KafkaOperationError, LlmqError, RequestTimeoutError
 from pipeline.models import Chunk, Request, Response, Status
 from pipeline.serde import Codec
+from pipeline.renewing_producer import RenewingProducer
 from pipeline.serde.factory import codec_for
 from pipeline.tenants.signing import signature_header
 
@@ -303,8 +304,9 @@ class ClientEngine:
         self.signing_secret = signing_secret
         # A client waits for each answer, so its requests go out within a millisecond rather than
         # llmq's 5 (a burst still shares produce requests); [kafka.properties] still wins.
-        self.producer = Producer(settings.kafka.producer_config(**{"client.id": "llmq-client", "linger.ms": 1,
-                                                                   **(producer_config or {})}))
+        self.producer = RenewingProducer(
+            settings.kafka.producer_config(**{"client.id": "llmq-client", "linger.ms": 1, **(producer_config or {})}),
+            stall_s=settings.kafka.producer_renew_after_ms / 1000.0)
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._poll_producer, name="llmq-client-producer", daemon=True)
         self._poller.start()

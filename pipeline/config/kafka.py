@@ -52,6 +52,9 @@ class KafkaSettings:
     ssl_ca_location: str = ""
     #: librdkafka properties passed through untouched (``[kafka.properties]`` in the file).
     properties: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: A client's (SDK, serve) producer that has had records outstanding this long with none
+    #: delivered is replaced by a new one (pipeline/renewing_producer.py); 0 = never.
+    producer_renew_after_ms: int = 30_000
 
     def password(self) -> str:
         if self.sasl_password_file:
@@ -119,6 +122,8 @@ class KafkaSettings:
     def validate(self) -> None:
         if not self.bootstrap.strip():
             raise ConfigError("kafka.bootstrap", "must not be empty")
+        if self.producer_renew_after_ms < 0:
+            raise ConfigError("kafka.producer_renew_after_ms", "must be >= 0 (0: never)")
         k = self
         if k.security_protocol not in _SECURITY_PROTOCOLS:
             raise ConfigError("kafka.security_protocol", f"must be one of {', '.join(_SECURITY_PROTOCOLS)}")
