@@ -164,8 +164,13 @@ class Gateway:
                 app_id, {**settings.kafka.aiokafka_config(), "client_id": f"{app_id}-eos"}, self._refused,
                 hold_commits=lambda: faust_compat.commits_held(self.app.consumer))
         else:
+            # An output not delivered within a minute stops the gateway (Outputs), and the restart
+            # redoes from the last commit: after a whole-cluster restart librdkafka's idempotent
+            # producer can deliver nothing more (docs/operations.md), and its default five
+            # minutes was how long a gateway then admitted nothing.
             self.outputs = Outputs(settings.kafka.producer_config(**{
-                "client.id": f"{app_id}-out", "linger.ms": g.producer_linger_ms}), self._refused)
+                "client.id": f"{app_id}-out", "linger.ms": g.producer_linger_ms, "message.timeout.ms": 60_000}),
+                self._refused)
         self.checkpoint = DecisionCheckpoint(self.app.producer, self.tenants, self.seen, self.outputs,
                                              state_every_s=g.state_flush_ms / 1000.0,
                                              every_s=g.decision_flush_ms / 1000.0, transactions=self.transactions)
