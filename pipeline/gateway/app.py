@@ -296,7 +296,8 @@ class Gateway:
         self.tenants.forget()
         ids = self.seen.load(now_ms())
         if ids:
-            log.info("remembering %d request ids from the tables", ids)
+            charged = self.intake.charge_recorded(self.ownership.owns)
+            log.info("remembering %d request ids from the tables (%d admissions charged again)", ids, charged)
 
     def fresh(self, msg) -> bool:
         """At-least-once every record is decided; exactly-once not one delivered again (transactions.py)."""

@@ -94,6 +94,31 @@ class Intake:
             outputs += mine
         self.checkpoint.after_write(event, outputs)
 
+    def charge_recorded(self, owns) -> int:
+        """After a rebalance, before anything new is decided: every admission the decision log
+        holds (from whichever gateway decided it) and its tenant's record does not, charged to the
+        buckets at its arrival. Left to the redelivered request itself, a recorded admission in a
+        lower band's partition would be charged only after fresher requests of a higher band had
+        been decided on buckets without it, and the limit would let through more than its burst
+        across a failover. Returns how many were charged."""
+        charged = 0
+        for seen in self.seen.recorded():
+            if seen.dispatched < 0:
+                continue
+            topic, partition, offset = seen.source.rsplit(":", 2)
+            if not owns(int(partition)):
+                continue
+            applied = self.sources.get(topic, topic)
+            state = self.tenants.get(seen.tenant)
+            if state.holds(applied, int(offset)):
+                continue
+            self.admission.admitted_again(seen.tenant, state, BANDS[seen.dispatched], seen.model, seen.charged,
+                                          seen.arrived_ms)
+            state.apply(applied, int(offset))
+            self.tenants.changed(seen.tenant)
+            charged += 1
+        return charged
+
     def _handle(self, msg, outputs: list[Output]) -> None:
         refusal = None  # over a size cap, yet readable: refused like an invalid request, not dead-lettered
         try:

@@ -53,6 +53,10 @@ class SeenDecisions:
     def get(self, request_id: str) -> Seen | None:
         return self._ids.get(request_id)
 
+    def recorded(self) -> list[Seen]:
+        """Every decision remembered (after :meth:`load`: this gateway's and the others')."""
+        return list(self._ids.values())
+
     def add(self, request_id: str, partition: int, seen: Seen) -> None:
         if request_id in self._ids:
             return

@@ -60,6 +60,25 @@ def test_a_request_read_again_is_charged_once_whether_or_not_its_tenants_record_
     assert gw.tenants.get("acme").outstanding[Priority.NORMAL.rank] == 1
 
 
+def test_after_a_rebalance_recorded_admissions_are_charged_before_anything_new_is_decided(gw):
+    req = Request.new("acme", "decided by the gateway that died", timeout_ms=600_000)
+    gw.checkpoint.state_every_s = 3600.0
+    handled(gw, gw.request_event(req, offset=7))
+    # It died before the tenant's record was written; the new owner loads the decision log.
+    gw.tenants.forget()
+    gw.seen.load(now_ms=req.created_at)
+    assert gw.intake.charge_recorded(lambda partition: True) == 1
+    state = gw.tenants.get("acme")
+    assert state.outstanding[Priority.NORMAL.rank] == 1 and state.buckets  # before any new request
+    # Charged once: neither again here nor when the request itself is read again.
+    assert gw.intake.charge_recorded(lambda partition: True) == 0
+    handled(gw, gw.request_event(req, offset=7))
+    assert gw.tenants.get("acme").outstanding[Priority.NORMAL.rank] == 1
+    # Another gateway's partitions are left to it.
+    gw.tenants.forget()
+    assert gw.intake.charge_recorded(lambda partition: False) == 0
+
+
 def test_a_response_read_again_is_counted_once(gw):
     req = Request.new("acme", "x", timeout_ms=600_000)
     [(_, dispatched)] = handled(gw, gw.request_event(req))
