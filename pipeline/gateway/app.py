@@ -119,6 +119,11 @@ class Gateway:
             broker_heartbeat_interval=heartbeat_ms(g.session_timeout_ms) / 1000.0,
             consumer_group_instance_id=g.instance_id or None,
             ConsumerScheduler=BandFirst.for_topics(self.request_ranks),
+            # Exactly-once, a rebalance need not wait for every event to be acknowledged: the new
+            # owner's producer fences this one's transactions and it redoes from the committed
+            # offsets. And it must not: a superseded round's events are never acknowledged
+            # (transactions.py), and Faust would wait for them for ever.
+            stream_wait_empty=not exactly_once,
             web_enabled=bool(port), web_port=port or 6066, web_bind=g.web_host, datadir=str(datadir))
 
         raw = dict(key_type=bytes, value_type=bytes, value_serializer="raw")

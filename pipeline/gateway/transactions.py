@@ -102,7 +102,7 @@ class TransactionFailed(Exception):
 
 class Superseded(Exception):
     """A round's transaction fenced by a newer producer of its partition: the partition moved
-    (or moved away and back) while the round ran. Its new producer's start aborted this
+    (or a rebalance is under way) while the round ran. That producer's start aborted this
     transaction, and the partition's owner redoes the work from the committed offsets: nothing
     of it is acknowledged here, and the gateway goes on."""
 
@@ -151,6 +151,9 @@ class Transactions:
         self.transaction_timeout_ms = transaction_timeout_ms
         self._producers: dict[int, Any] = {}
         self._assigned: set[int] = set()
+        #: Partitions whose producer another gateway's fenced: their work waits for the next
+        #: assignment (the group is moving them), and is redone by whoever gets them.
+        self._fenced: set[int] = set()
         # Being started: initialising can wait for the previous owner's open transaction to be
         # aborted, and Faust may hand over the partition's records meanwhile.
         self._starting: dict[int, asyncio.Task] = {}
@@ -170,6 +173,7 @@ class Transactions:
         session, the gateway was expelled, and every member rejoined again. A round waits for
         its partition's producer instead."""
         self._assigned = set(partitions)
+        self._fenced -= self._assigned  # assigned (again): a new producer starts below
         new = sorted(p for p in partitions if p not in self._producers and p not in self._starting)
         for p in new:  # before any await: a round from now on waits for them
             self._starting[p] = asyncio.ensure_future(self._start(p))
@@ -264,6 +268,8 @@ class Transactions:
         from aiokafka.structs import TopicPartition
 
         producer = await self._producer(work.partition)
+        if producer is None and work.partition in self._fenced:
+            raise Superseded(work.partition)
         if producer is None:
             raise TransactionFailed(f"partition {work.partition} is not assigned to this gateway")
         await producer.begin_transaction()
@@ -284,8 +290,17 @@ class Transactions:
                 await producer.abort_transaction()
             except Exception:  # noqa: BLE001 (fenced or broken: the broker aborts it on the next init)
                 pass
-            if _fenced(exc) and (work.partition not in self._assigned
-                                 or self._producers.get(work.partition) is not producer):
+            if _fenced(exc):
+                # Another gateway's producer for this partition started: the partition moved, or a
+                # rebalance is under way and this gateway's view of it is stale. Either way this
+                # producer is done for, and the partition's owner redoes the work from the
+                # committed offsets; if the next assignment gives the partition here, a new
+                # producer starts then. (Starting one at once would fence the other gateway back,
+                # each waiting on the other's transactions.)
+                if self._producers.get(work.partition) is producer:
+                    del self._producers[work.partition]
+                    self._fenced.add(work.partition)
+                    asyncio.ensure_future(_quiet_stop(producer))
                 raise Superseded(work.partition) from exc
             raise
 
@@ -294,3 +309,10 @@ def _fenced(exc: BaseException) -> bool:
     from aiokafka.errors import ProducerFenced
 
     return isinstance(exc, ProducerFenced)
+
+
+async def _quiet_stop(producer) -> None:
+    try:
+        await producer.stop()
+    except Exception:  # noqa: BLE001 (fenced: nothing of ours is open)
+        pass
