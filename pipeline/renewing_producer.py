@@ -10,7 +10,7 @@ through confluent-kafka-dotnet#2519 ("Idempotent producer doesn't recover after 
 temporary unwritable"; open, only a restart recovers).
 
 :class:`RenewingProducer` counts what it has outstanding and when something was last delivered.
-When records have been outstanding for ``stall_s`` with no delivery at all, it starts a new
+When a record has been outstanding for ``stall_s`` (however many others were delivered), it starts a new
 librdkafka producer for what comes next and keeps polling the old one, whose records are
 delivered late or fail with their own timeout (their callers see the failure; nothing is
 dropped silently). At most one renewal per ``stall_s``, so a cluster that is really down for
@@ -33,15 +33,18 @@ MAX_RETIRED = 3
 
 
 class _Watched:
-    """One librdkafka producer and what it owes: records outstanding, and since when none of
-    them was delivered."""
+    """One librdkafka producer and what it owes: when each outstanding record was produced."""
 
-    __slots__ = ("producer", "outstanding", "pending_since")
+    __slots__ = ("producer", "sent", "next")
 
     def __init__(self, producer):
         self.producer = producer
-        self.outstanding = 0
-        self.pending_since: float | None = None
+        self.sent: dict[int, float] = {}  # record number → produced at, oldest first
+        self.next = 0
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.sent)
 
 
 class RenewingProducer:
@@ -68,17 +71,24 @@ class RenewingProducer:
 
     def produce(self, topic: str, value=None, key=None, *, on_delivery=None, **kwargs) -> None:
         watched = self._current
+        with self._lock:
+            number = watched.next
+            watched.next += 1
 
         def delivered(err, msg):
-            self._delivered(watched, err)
+            with self._lock:
+                watched.sent.pop(number, None)
             if on_delivery is not None:
                 on_delivery(err, msg)
 
-        watched.producer.produce(topic, value, key, on_delivery=delivered, **kwargs)
-        with self._lock:
-            watched.outstanding += 1
-            if watched.pending_since is None:
-                watched.pending_since = self.clock()
+        with self._lock:  # before produce: the poll thread may report it delivered at once
+            watched.sent[number] = self.clock()
+        try:
+            watched.producer.produce(topic, value, key, on_delivery=delivered, **kwargs)
+        except BaseException:
+            with self._lock:
+                watched.sent.pop(number, None)
+            raise
 
     def poll(self, timeout: float = 0.0) -> int:
         served = self._current.producer.poll(timeout)
@@ -103,20 +113,15 @@ class RenewingProducer:
 
     # -- renewal ----------------------------------------------------------------------------
 
-    def _delivered(self, watched: _Watched, err) -> None:
-        with self._lock:
-            watched.outstanding = max(0, watched.outstanding - 1)
-            if err is None or not watched.outstanding:
-                # A delivery shows the client works; a failure that empties it starts afresh.
-                watched.pending_since = self.clock() if watched.outstanding else None
-
     def stalled_for(self) -> float | None:
-        """How long the current producer has had records outstanding without delivering any."""
+        """How long the current producer's oldest outstanding record has waited. Per record, not
+        since the last delivery: a client stuck on some partitions still delivers to others (a
+        cancellation, a record of another topic)."""
         with self._lock:
-            w = self._current
-            if not w.outstanding or w.pending_since is None:
+            sent = self._current.sent
+            if not sent:
                 return None
-            return self.clock() - w.pending_since
+            return self.clock() - next(iter(sent.values()))
 
     def _maybe_renew(self) -> None:
         stalled = self.stalled_for()

@@ -93,3 +93,18 @@ def test_off_at_zero():
     clock.now += 1000
     p.poll()
     assert p.renewals == 0
+
+
+def test_a_record_stuck_while_others_are_delivered_still_renews_the_producer():
+    p, clock = make()
+    stuck_cb = []
+    p.produce("requests", b"stuck", on_delivery=lambda err, msg: stuck_cb.append(err))
+    held = p.current.pending.pop()  # this partition's leader never answers...
+    for _ in range(4):
+        clock.now += 10
+        p.produce("cancellations", b"ok")  # ...while another topic's records go through
+        p.current.deliver()
+        p.poll()
+    assert p.renewals == 1
+    held[1]("timed out", held[0])
+    assert stuck_cb == ["timed out"]
