@@ -9,8 +9,8 @@ producer in the same process delivered at once: `llmq serve` answered every requ
 through confluent-kafka-dotnet#2519 ("Idempotent producer doesn't recover after partition
 temporary unwritable"; open, only a restart recovers).
 
-:class:`RenewingProducer` counts what it has outstanding and when something was last delivered.
-When a record has been outstanding for ``stall_s`` (however many others were delivered), it starts a new
+:class:`RenewingProducer` notes when each outstanding record was produced. When one has been
+outstanding for ``stall_s`` (however many others were delivered meanwhile), it starts a new
 librdkafka producer for what comes next and keeps polling the old one, whose records are
 delivered late or fail with their own timeout (their callers see the failure; nothing is
 dropped silently). At most one renewal per ``stall_s``, so a cluster that is really down for

@@ -52,8 +52,8 @@ class KafkaSettings:
     ssl_ca_location: str = ""
     #: librdkafka properties passed through untouched (``[kafka.properties]`` in the file).
     properties: dict[str, Any] = field(default_factory=dict, repr=False)
-    #: A client's (SDK, serve) producer that has had records outstanding this long with none
-    #: delivered is replaced by a new one (pipeline/renewing_producer.py); 0 = never.
+    #: A client's (SDK, serve) producer with a record outstanding this long is replaced by a new
+    #: one (pipeline/renewing_producer.py); 0 = never.
     producer_renew_after_ms: int = 30_000
 
     def password(self) -> str:
