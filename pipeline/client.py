@@ -41,7 +41,7 @@ import random
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping
 
@@ -280,6 +280,22 @@ class LoopWaker:
             fn(item)
 
 
+def _settle(fut: Future, value=None, *, error: BaseException | None = None) -> None:
+    """Resolve ``fut`` unless its waiter gave up first. An asyncio caller's timeout cancels the
+    future it wrapped (``asyncio.wrap_future``); setting a cancelled future raises, which, from
+    inside a delivery callback, killed the thread polling the producer, and the client delivered
+    nothing more (serve answered 503 to every request after its first submit timeout)."""
+    if fut.done():
+        return
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+    except InvalidStateError:
+        pass  # cancelled between the check and the set
+
+
 def _wake(waiter: asyncio.Future) -> None:
     if not waiter.done():
         waiter.set_result(None)
@@ -356,9 +372,9 @@ class ClientEngine:
 
         def delivered(err, msg):
             if err is not None:
-                fut.set_exception(KafkaOperationError(f"submit {request.request_id} to {topic}", err.str(), err))
+                _settle(fut, error=KafkaOperationError(f"submit {request.request_id} to {topic}", err.str(), err))
             else:
-                fut.set_result(Submitted(request.request_id, msg.topic(), msg.partition(), msg.offset()))
+                _settle(fut, Submitted(request.request_id, msg.topic(), msg.partition(), msg.offset()))
 
         while True:
             try:
@@ -375,13 +391,16 @@ class ClientEngine:
         fut: Future = Future()
         self.producer.produce(
             self.settings.topics.cancellations, value, key,
-            on_delivery=lambda err, msg: fut.set_exception(KafkaOperationError(f"cancel {request_id}", err.str(), err))
-            if err is not None else fut.set_result(None))
+            on_delivery=lambda err, msg: _settle(fut, error=KafkaOperationError(f"cancel {request_id}", err.str(), err))
+            if err is not None else _settle(fut, None))
         return fut
 
     def _poll_producer(self) -> None:
         while not self._closed.is_set():
-            self.producer.poll(0.05)
+            try:
+                self.producer.poll(0.05)
+            except Exception:  # noqa: BLE001 (a callback's bug must not stop every later delivery)
+                log.exception("a delivery callback failed; polling goes on")
 
     # -- responses ------------------------------------------------------------------------
 

@@ -324,3 +324,20 @@ def test_a_settled_stream_hands_out_what_came_past_a_gap_before_the_rest_of_the_
     s.feed(Response.for_request(req, Status.COMPLETED, output="abcd"))
     settled = s.settle()
     assert [(c.seq, c.delta) for c in settled] == [(2, "c"), (3, "")] and settled[-1].last
+
+
+def test_a_delivery_after_the_caller_gave_up_does_not_stop_the_client():
+    """An asyncio caller's timeout cancels the future it awaited; its late delivery report must
+    be dropped, not raise in the thread that polls the producer (which then delivered nothing)."""
+    from concurrent.futures import Future
+
+    from pipeline.client import _settle
+
+    cancelled = Future()
+    cancelled.cancel()
+    _settle(cancelled, "late")
+    _settle(cancelled, error=RuntimeError("late"))
+    done = Future()
+    _settle(done, "first")
+    _settle(done, "second")
+    assert done.result() == "first"
