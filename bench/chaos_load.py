@@ -84,6 +84,18 @@ class CallLog:
     longest_s: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def record(self, ok: bool, outcome: str, request_id: str, took: float, deadline_s: float) -> None:
+        """One call's end: answered (its request id kept) or not (its outcome counted), and how
+        long it took against its deadline."""
+        with self.lock:
+            self.longest_s = max(self.longest_s, took)
+            if took > deadline_s + HUNG_MARGIN_S:
+                self.hung.append(took - deadline_s)
+            if ok:
+                self.completed.append(request_id)
+            else:
+                self.other[outcome] += 1
+
     def summary(self) -> dict:
         return {"completed": len(self.completed), "other": dict(self.other), "retried_after_503": self.retried_503,
                 "not_taken": self.not_taken, "past_deadline": len(self.hung),
@@ -126,15 +138,8 @@ class SdkCallers:
                 outcome = resp.status.value
             except LlmqError as exc:
                 outcome = type(exc).__name__
-            took = time.monotonic() - started
-            with self.log.lock:
-                self.log.longest_s = max(self.log.longest_s, took)
-                if took > self.deadline_s + HUNG_MARGIN_S:
-                    self.log.hung.append(took - self.deadline_s)
-                if outcome == "COMPLETED":
-                    self.log.completed.append(req.request_id)
-                else:
-                    self.log.other[outcome] += 1
+            self.log.record(outcome == "COMPLETED", outcome, req.request_id, time.monotonic() - started,
+                            self.deadline_s)
 
     def stop(self) -> None:
         self._stop.set()
@@ -164,15 +169,7 @@ class ServeCallers:
             i += 1
             started = time.monotonic()
             outcome, request_id = self._call(http, f"serve {index}-{i}", started)
-            took = time.monotonic() - started
-            with self.log.lock:
-                self.log.longest_s = max(self.log.longest_s, took)
-                if took > self.deadline_s + HUNG_MARGIN_S:
-                    self.log.hung.append(took - self.deadline_s)
-                if outcome == "200":
-                    self.log.completed.append(request_id)
-                else:
-                    self.log.other[outcome] += 1
+            self.log.record(outcome == "200", outcome, request_id, time.monotonic() - started, self.deadline_s)
         http.close()
 
     def _call(self, http: httpx.Client, prompt: str, started: float) -> tuple[str, str]:

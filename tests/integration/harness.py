@@ -1,10 +1,15 @@
-"""Helpers shared by integration tests: settings with unique topics, a worker on a thread."""
+"""Helpers shared by integration tests: settings with unique topics, a worker on a thread, llmq
+processes to start and kill."""
 
 from __future__ import annotations
 
 import contextlib
+import signal
+import subprocess
 import threading
+import time
 import uuid
+from pathlib import Path
 
 from pipeline.broker import free_port  # noqa: F401 (the tests import it from here)
 from pipeline.config import Settings
@@ -136,3 +141,57 @@ def end_offsets(bootstrap: str, topics: list[str]) -> dict[tuple[str, int], int]
         return out
     finally:
         consumer.close()
+
+
+class LlmqProcess:
+    """One llmq process as deployed (``python -m pipeline.cli ...``), started, SIGKILLed and
+    restarted by a test as a supervisor would, its output in one log (``ready``: the line that
+    says it serves; None: none awaited)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], workdir: Path, ready: str | None):
+        self.name, self.argv, self.env, self.ready = name, argv, env, ready
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log = workdir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self._offset = 0
+
+    def start(self) -> None:
+        with open(self.log, "a") as log:
+            log.write(f"--- start {time.strftime('%H:%M:%S')}\n")
+            log.flush()
+            self._offset = log.tell()
+            self.proc = subprocess.Popen(self.argv, env=self.env, cwd=self.workdir, stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        with open(self.log, errors="replace") as f:
+            f.seek(self._offset)
+            return f.read()
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.ready and self.ready not in self.output():
+            assert self.proc.poll() is None, f"{self.name} exited: {self.output()[-3000:]}"
+            assert time.monotonic() < deadline, f"{self.name} not ready: {self.output()[-3000:]}"
+            time.sleep(0.1)
+
+    def kill(self) -> float:
+        """SIGKILL a running process (a process already gone would be a fault that did not happen)."""
+        assert self.proc is not None and self.proc.poll() is None, f"{self.name} was not running to be killed"
+        at = time.time()
+        self.proc.send_signal(signal.SIGKILL)
+        assert self.proc.wait(10) == -signal.SIGKILL
+        return at
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode

@@ -21,8 +21,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -36,7 +34,7 @@ from confluent_kafka.admin import AdminClient
 from pipeline.models import Priority, Request, Response, Status
 from pipeline.serde import Codec
 from pipeline.testing import produce_request
-from tests.integration.harness import committed_offsets, read_topic
+from tests.integration.harness import LlmqProcess, committed_offsets, read_topic
 
 BANDS = (Priority.CRITICAL, Priority.HIGH, Priority.NORMAL, Priority.LOW)
 TENANTS = [f"tenant-{i}" for i in range(8)]
@@ -66,79 +64,27 @@ over = "refuse"
 """
 
 
-class Supervised:
-    """One llmq process, restarted by the test as a supervisor would, its output in one log."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], workdir: Path, ready: str | None):
-        self.name, self.argv, self.env, self.ready = name, argv, env, ready
-        self.workdir = workdir
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.log = workdir / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-        self._offset = 0
-
-    def start(self) -> None:
-        with open(self.log, "a") as log:
-            log.write(f"--- start {time.strftime('%H:%M:%S')}\n")
-            log.flush()
-            self._offset = log.tell()
-            self.proc = subprocess.Popen(self.argv, env=self.env, cwd=self.workdir, stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT)
-
-    def output(self) -> str:
-        with open(self.log, errors="replace") as f:
-            f.seek(self._offset)
-            return f.read()
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.ready and self.ready not in self.output():
-            assert self.proc.poll() is None, f"{self.name} exited: {self.output()[-3000:]}"
-            assert time.monotonic() < deadline, f"{self.name} not ready: {self.output()[-3000:]}"
-            time.sleep(0.1)
-
-    def kill(self) -> float:
-        """SIGKILL a running process (a process already gone would be a fault that did not happen)."""
-        assert self.proc is not None and self.proc.poll() is None, f"{self.name} was not running to be killed"
-        at = time.time()
-        self.proc.send_signal(signal.SIGKILL)
-        assert self.proc.wait(10) == -signal.SIGKILL
-        return at
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
-
 def _env(s, **extra) -> dict[str, str]:
     return {**os.environ, **s.topology_env(), **extra}
 
 
-def _gateway(s, tmp: Path, i: int, app_id: str) -> Supervised:
+def _gateway(s, tmp: Path, i: int, app_id: str) -> LlmqProcess:
     workdir = tmp / f"gateway-{i}"  # each its own working directory (state dir), as a pod has
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "gateway.toml").write_text(GATEWAY_TOML)
     env = _env(s, LLMQ_CONFIG=str(workdir / "gateway.toml"), LLMQ_GATEWAY__SESSION_TIMEOUT_MS=str(GATEWAY_SESSION_MS))
     argv = [sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "gateway", "--app-id", app_id,
             "--instance-id", f"gateway-{i}"]
-    return Supervised(f"gateway-{i}", argv, env, workdir, "Worker]: Ready")
+    return LlmqProcess(f"gateway-{i}", argv, env, workdir, "Worker]: Ready")
 
 
-def _worker(s, tmp: Path, i: int, delivery: str) -> Supervised:
+def _worker(s, tmp: Path, i: int, delivery: str) -> LlmqProcess:
     env = _env(s, LLMQ_WORKER__SESSION_TIMEOUT_MS=str(WORKER_SESSION_MS), LLMQ_WORKER__COMMIT_INTERVAL_MS="200",
                LLMQ_WORKER__METRICS_PORT="0")
     # The same worker id after a restart: exactly-once, its transactional id fences the killed one.
     argv = [sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "worker", "--source", "dispatch",
             "--delivery", delivery, "--worker-id", f"scale-w{i}", "--sim-latency-ms", "20", "--max-inflight", "8"]
-    return Supervised(f"worker-{i}", argv, env, tmp / "workers", None)
+    return LlmqProcess(f"worker-{i}", argv, env, tmp / "workers", None)
 
 
 class Load(threading.Thread):

@@ -16,8 +16,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -30,7 +28,7 @@ from pipeline.models import Priority, Request
 from pipeline.partitioning import tenant_partition
 from pipeline.serde import Codec
 from pipeline.testing import produce_request
-from tests.integration.harness import committed_offsets, read_topic
+from tests.integration.harness import LlmqProcess, committed_offsets, read_topic
 
 REQUESTS = 3000
 PER_S = 300.0
@@ -49,49 +47,7 @@ requests = 100000
 """
 
 
-class Proc:
-    """One llmq process, its output in a log file."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], workdir: Path):
-        self.name, self.argv, self.env, self.workdir = name, argv, env, workdir
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.log = workdir / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(self.argv, env=self.env, cwd=self.workdir, stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_ready(self, ready: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while ready not in self.output():
-            assert self.proc.poll() is None, f"{self.name} exited: {self.output()[-3000:]}"
-            assert time.monotonic() < deadline, f"{self.name} not ready: {self.output()[-3000:]}"
-            time.sleep(0.1)
-
-    def kill(self) -> None:
-        assert self.proc.poll() is None, f"{self.name} was not running to be killed: {self.output()[-3000:]}"
-        self.proc.send_signal(signal.SIGKILL)
-        assert self.proc.wait(10) == -signal.SIGKILL
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
-
-def _gateway(s, tmp: Path, i: int, app_id: str) -> Proc:
+def _gateway(s, tmp: Path, i: int, app_id: str) -> LlmqProcess:
     workdir = tmp / f"gateway-{i}"
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "gateway.toml").write_text(GATEWAY_TOML)
@@ -100,16 +56,16 @@ def _gateway(s, tmp: Path, i: int, app_id: str) -> Proc:
            "LLMQ_GATEWAY__SESSION_TIMEOUT_MS": str(GATEWAY_SESSION_MS)}
     argv = [sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "gateway", "--app-id", app_id,
             "--instance-id", f"gateway-{i}"]
-    return Proc(f"gateway-{i}", argv, env, workdir)
+    return LlmqProcess(f"gateway-{i}", argv, env, workdir, "Worker]: Ready")
 
 
-def _worker(s, tmp: Path, i: int) -> Proc:
+def _worker(s, tmp: Path, i: int) -> LlmqProcess:
     env = {**os.environ, **s.topology_env(), "LLMQ_WORKER__SESSION_TIMEOUT_MS": str(WORKER_SESSION_MS),
            "LLMQ_WORKER__COMMIT_INTERVAL_MS": "200", "LLMQ_WORKER__METRICS_PORT": "0"}
     argv = [sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "worker", "--source", "dispatch",
             "--delivery", "exactly-once", "--worker-id", f"eos-w{i}", "--sim-latency-ms", "5",
             "--max-inflight", "32"]
-    return Proc(f"worker-{i}", argv, env, tmp / "workers")
+    return LlmqProcess(f"worker-{i}", argv, env, tmp / "workers", None)
 
 
 def _request_partitions(admin: AdminClient, group: str) -> dict[str, set[int]]:
@@ -209,7 +165,7 @@ def test_a_killed_exactly_once_gateway_leaves_no_duplicate_and_loses_nothing(set
         for p in (*gateways, *workers):
             p.start()
         for g in gateways:
-            g.wait_ready("Worker]: Ready")
+            g.wait_ready()
         held = _wait_split(admin, app_id)
         victim_id = max(held, key=lambda g: len(held[g]))  # the one with the most partitions
         victim = next(g for g in gateways if g.name == victim_id)
