@@ -42,6 +42,11 @@ __all__ = [
 #: before which no worker starts it.
 NOT_BEFORE_HEADER = "llmq-not-before"
 
+#: Kafka header of a request the gateway dispatched again (after a failover, or a client's
+#: re-submission of an id): a worker that did not take the first copy reads its answer back
+#: (pipeline/worker/earlier_answers.py). Its value is empty.
+DISPATCHED_AGAIN_HEADER = "llmq-dispatched-again"
+
 
 def now_ms() -> int:
     """Current wall-clock time as integer epoch milliseconds (UTC)."""

@@ -143,6 +143,10 @@ class WorkerSettings:
     tenant_weights: dict[str, float] = field(default_factory=dict)
     #: Recent request ids a worker remembers, to answer a re-submitted id only once (0 = off).
     dedupe_window: int = 100_000
+    #: A copy the gateway dispatched again, reaching a worker that did not take the first: the
+    #: most records of its reply partition read back for the first answer (0 = never look; the
+    #: copy then runs again, and its answer may differ from the first).
+    look_back_max_records: int = 200_000
     #: Tenants that get their own metric label: these, plus the N busiest; the rest are "other".
     metrics_tenants: list[str] = field(default_factory=list)
     metrics_tenant_top_n: int = 10
@@ -188,7 +192,7 @@ class WorkerSettings:
                 raise ConfigError(f"worker.tenant_weights.{tenant}", f"must be more than 0, got {weight!r}")
         self.tenant_weights = weights
         for key in ("shutdown_grace_s", "sim_latency_ms", "sim_ms_per_token", "metrics_tenant_top_n", "dedupe_window",
-                    "coordinator_stall_ms"):
+                    "coordinator_stall_ms", "look_back_max_records"):
             non_negative(f"worker.{key}", getattr(self, key))
         non_negative("worker.producer_linger_ms", self.producer_linger_ms)
         shares = {}

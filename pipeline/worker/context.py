@@ -7,7 +7,8 @@ does no I/O: a session's clients are made when the session starts and live in
 
 The parts, bottom up: the bands' fair queues (scheduler.py), pausing (flow.py), getting bytes to the
 broker (publisher.py), offsets and transactions (checkpoint.py), ids seen again (dedupe.py),
-each request's one outcome (responder.py), streamed chunks (chunk_publisher.py); the
+each request's one outcome (responder.py), streamed chunks (chunk_publisher.py), answers other
+workers gave to copies dispatched again (earlier_answers.py); the
 processor (processor.py), which runs requests through them, is made from this context.
 """
 
@@ -22,6 +23,7 @@ from pipeline.serde import Codec
 from pipeline.worker.checkpoint import OffsetCheckpoint
 from pipeline.worker.chunk_publisher import ChunkPublisher
 from pipeline.worker.dedupe import RecentRequests
+from pipeline.worker.earlier_answers import EarlierAnswers
 from pipeline.worker.flow import Flow
 from pipeline.worker.publisher import Publisher
 from pipeline.worker.replies import ReplyTargets
@@ -47,6 +49,7 @@ class WorkerContext:
     recent: RecentRequests
     responder: Responder
     chunks: ChunkPublisher
+    earlier: EarlierAnswers
 
     @property
     def cfg(self) -> WorkerSettings:
@@ -61,12 +64,16 @@ class WorkerContext:
         publisher = Publisher(settings, codec, worker_id, session, ReplyTargets(settings, session), stats, metrics)
         checkpoint = OffsetCheckpoint(cfg, session, stats, metrics, publish=publisher.produce)
         recent = RecentRequests(cfg.dedupe_window, checkpoint.exactly_once)
+        targets = publisher.targets
+        earlier = EarlierAnswers(settings, worker_id, codec.decode_response, targets.partitions,
+                                 cfg.look_back_max_records if cfg.dedupe_window else 0)
         return cls(settings=settings, worker_id=worker_id, codec=codec, topics=topics, stats=stats, metrics=metrics,
                    session=session, scheduler=scheduler, flow=Flow(cfg, session, scheduler), publisher=publisher,
                    checkpoint=checkpoint, recent=recent,
                    responder=Responder(settings, codec, worker_id, session, checkpoint, publisher, recent, stats,
                                        metrics),
-                   chunks=ChunkPublisher(settings, codec, worker_id, session, checkpoint.exactly_once))
+                   chunks=ChunkPublisher(settings, codec, worker_id, session, checkpoint.exactly_once),
+                   earlier=earlier)
 
     def reset(self) -> None:
         """A new session starts from the committed offsets: nothing taken is kept."""

@@ -423,6 +423,7 @@ class Worker:
             session.producer.flush(10)
             session.producer = None
         self.chunks.close()
+        self.ctx.earlier.close()
         if session.cancellations is not None:
             session.cancellations.close()
             session.cancellations = None

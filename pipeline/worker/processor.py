@@ -22,6 +22,7 @@ from pipeline.worker.backends.routing import UnknownModelError
 from pipeline.worker.chunk_publisher import stream_completion
 from pipeline.worker.context import WorkerContext
 from pipeline.worker.dedupe import IN_FLIGHT
+from pipeline.worker.earlier_answers import dispatched_again
 from pipeline.worker.records import Answered, Taken
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class Processor:
         self.scheduler = ctx.scheduler
         self.flow = ctx.flow
         self.recent = ctx.recent
+        self.earlier = ctx.earlier
         self.stats = ctx.stats
         self.metrics = ctx.metrics
         #: The backend calls running now: (tp, offset) → task.
@@ -169,13 +171,17 @@ class Processor:
         back: list = []
         counts = self.scheduler.preempt_counts
         budget = max_start
+        # A copy dispatched again that this worker has no memory of: its first answer is read
+        # back before anything runs (earlier_answers.py), in a task like a backend call.
+        look_back_on = self.earlier.enabled
         for entry in runnable:
             msg, request = entry.msg, entry.request
             tp, offset = (msg.topic(), msg.partition()), msg.offset()
             key = (tp, offset)
             slot = None
+            look_back = look_back_on and request.admitted_at is not None and dispatched_again(msg.headers())
             try:
-                completion = complete_now(request)
+                completion = None if look_back else complete_now(request)
                 if completion is None:
                     if budget is not None and budget <= 0:
                         back.append(entry)
@@ -205,7 +211,8 @@ class Processor:
                 create_task = asyncio.get_running_loop().create_task
             if budget is not None:
                 budget -= 1
-            self.tasks[key] = task = create_task(self._call(tp, offset, request, started, slot, entry.waiting))
+            self.tasks[key] = task = create_task(self._call(tp, offset, request, started, slot, entry.waiting,
+                                                            look_back))
             if slot is not None:
                 # Released however the task ends, even cancelled before it ever ran.
                 task.add_done_callback(functools.partial(self._release_slot, slot))
@@ -257,17 +264,25 @@ class Processor:
         cost = self.scheduler.settle(waiting, completion.prompt_tokens, completion.completion_tokens)
         self.metrics.served(waiting.tenant, self.scheduler.rank_of(waiting.partition[0]), cost)
 
-    async def _call(self, tp, offset: int, request: Request, started: int, slot=None, waiting=None) -> None:
+    async def _call(self, tp, offset: int, request: Request, started: int, slot=None, waiting=None,
+                    look_back: bool = False) -> None:
         self.metrics.inflight_child.inc()
         t0 = time.perf_counter()
         key = (tp, offset)
         try:
             backend = self.backend
-            if request.stream and self._streams and self.chunks is not None:
-                completion = await stream_completion(backend, request, slot, self.chunks, self.metrics,
-                                                     lambda: self.scheduler.keep(key))
-            else:
-                completion = await (backend.complete(request) if slot is None else backend.complete(request, slot))
+            completion = None
+            if look_back:
+                if await self._answered_before(tp, offset, request):
+                    return
+                completion = backend.complete_now(request)
+            if completion is None:
+                if request.stream and self._streams and self.chunks is not None:
+                    completion = await stream_completion(backend, request, slot, self.chunks, self.metrics,
+                                                         lambda: self.scheduler.keep(key))
+                else:
+                    completion = await (backend.complete(request) if slot is None
+                                        else backend.complete(request, slot))
         except asyncio.CancelledError:
             me = asyncio.current_task()
             if me in self._preempted:  # back in its queue (preempted): no answer now
@@ -300,6 +315,23 @@ class Processor:
                     del self._task_of[request.request_id]
                 self.scheduler.call_ended(key, me)
             self.flow.slot_freed()
+
+    async def _answered_before(self, tp, offset: int, request: Request) -> bool:
+        """Whether another worker answered ``request`` (a copy dispatched again) already: if so,
+        that answer is given again, and remembered for later copies."""
+        topic, partition = self.responder.targets.of(request)
+        earlier = self.earlier
+        partition = earlier.place(topic, partition, request.tenant_id.encode())
+        if partition is None:
+            return False
+        first = await asyncio.to_thread(earlier.find, topic, partition, request.request_id, request.admitted_at)
+        if first is None:
+            return False
+        value, key = first
+        log.info("request %s, dispatched again, was answered by another worker: that answer again", request.request_id)
+        self.recent.answered(request.request_id, (tp, offset), value, key)
+        self.responder.duplicate(tp, offset, request, first)
+        return True
 
     def cancel(self, request_id: str) -> None:
         """The client cancelled ``request_id``: if its call is running, stop it and answer CANCELLED."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from pipeline.dlq import H_REASON
-from pipeline.models import Priority, Request, Response, Status
+from pipeline.models import DISPATCHED_AGAIN_HEADER, Priority, Request, Response, Status
 from pipeline.serde import Codec, SerdeLimits
 from tests.unit.gateway.conftest import Event
 
@@ -220,6 +220,17 @@ def test_a_request_redelivered_after_a_crash_goes_out_as_it_did_and_is_charged_o
     assert gw.codec.decode_request(second).admitted_at == gw.codec.decode_request(first).admitted_at
     assert [list(v) for v in gw.tenants.get("acme").buckets.values()] == budget
     assert gw.tenants.get("acme").outstanding[Priority.NORMAL.rank] == 1
+
+
+def test_a_request_dispatched_again_says_so_for_a_worker_that_did_not_take_the_first_copy(gw):
+    req = Request.new("acme", "again", timeout_ms=600_000)
+    handled(gw, gw.request_event(req, offset=7))
+    [(first, _)] = gw.outputs.sent_before
+    handled(gw, gw.request_event(req, offset=7))  # redelivered after a crash
+    [(second, _)] = gw.outputs.sent_before
+    assert DISPATCHED_AGAIN_HEADER not in dict(first.headers or ())
+    assert dict(second.headers or ()).get(DISPATCHED_AGAIN_HEADER) == b""
+    assert second.value == first.value
 
 
 def test_after_its_answer_an_id_submitted_again_is_dispatched_as_before(gw):

@@ -1,0 +1,154 @@
+"""A copy of a request another worker answered: that first answer, read back from its topic.
+
+A worker's memory of the ids it answered (dedupe.py) is its own. A gateway dispatches an id
+again after a failover or a client's re-submission, marking the copy (``DISPATCHED_AGAIN_HEADER``),
+and that copy lands in the same dispatch partition as the first. When the partition changed
+owner in between, the worker taking the copy never saw the first, yet the first is answered
+already: its previous owner committed past it only once the answer was durable. Running the
+model again would give the id a second, different answer (a model need not answer the same
+prompt the same way twice), so the copy's worker reads the first answer back from where the
+copy's own answer would go, from the first admission on, and gives it again byte for byte.
+Nothing found (the first copy never went out, or the answer is older than what the topic
+keeps): the copy runs as a new request.
+
+One consumer, assigned per lookup, never in a group; lookups run one at a time off the event
+loop (they are rare: a copy reaching a worker that did not take the first).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Iterable
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from pipeline.config import Settings
+from pipeline.errors import DecodeError
+from pipeline.models import DISPATCHED_AGAIN_HEADER
+from pipeline.partitioning import ANY_PARTITION, tenant_partition
+
+log = logging.getLogger(__name__)
+
+#: Read back from this long before the first admission: the answer's timestamp is the worker's
+#: clock, the admission the gateway's, and hosts' clocks differ a little.
+CLOCK_SKEW_MS = 10_000
+#: How long one lookup may read before the copy runs as new instead.
+LOOKUP_TIMEOUT_S = 10.0
+
+
+def dispatched_again(headers: list | None) -> bool:
+    """Whether a dispatched record is the gateway's second (or later) dispatch of its id."""
+    if not headers:
+        return False
+    return any(name == DISPATCHED_AGAIN_HEADER for name, _ in headers)
+
+
+def first_terminal(records: Iterable, request_id: str, decode: Callable) -> tuple[bytes, bytes] | None:
+    """The first terminal answer to ``request_id`` among ``records`` (``(value, key)`` pairs, in
+    offset order) as its ``(value, key)``; progress events and other ids are passed over. Only a
+    value that contains the id's bytes is decoded."""
+    needle = request_id.encode()
+    for value, key in records:
+        if not value or needle not in value:
+            continue
+        try:
+            response = decode(value)
+        except DecodeError:
+            continue
+        if response.request_id == request_id and response.status.is_terminal:
+            return value, key
+    return None
+
+
+class EarlierAnswers:
+    def __init__(self, settings: Settings, worker_id: str, decode: Callable,
+                 partitions: Callable[[str], int | None], max_records: int):
+        """``partitions(topic)``: its partition count (None if unknown); ``max_records``: the
+        most records one lookup reads (0: no lookups, a copy runs as new)."""
+        self.settings = settings
+        self.worker_id = worker_id
+        self.decode = decode
+        self.partitions = partitions
+        self.max_records = max_records
+        self._consumer: Consumer | None = None
+        self._lock = threading.Lock()
+        self.found = self.missed = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_records > 0
+
+    def place(self, topic: str, partition: int | None, key: bytes) -> int | None:
+        """The partition an answer to ``topic``/``partition`` (ANY_PARTITION: the key's) went to,
+        None if the topic's partitions are unknown. On the loop's thread: it may look them up."""
+        if partition is not ANY_PARTITION:
+            return partition
+        count = self.partitions(topic)
+        return tenant_partition(key, count) if count else None
+
+    def find(self, topic: str, partition: int, request_id: str, since_ms: int) -> tuple[bytes, bytes] | None:
+        """The first terminal answer to ``request_id`` in ``topic``[``partition``] at or after
+        ``since_ms`` (less the clock skew), or None. Blocking: run it off the event loop. A Kafka
+        error is a miss: the copy then runs as new, as it would have."""
+        with self._lock:
+            try:
+                answer = self._scan(topic, partition, request_id, max(0, since_ms - CLOCK_SKEW_MS))
+            except KafkaException as exc:
+                log.warning("could not read back %s[%d] for the first answer to a copy (%s); running it",
+                            topic, partition, exc.args[0])
+                answer = None
+        if answer is None:
+            self.missed += 1
+        else:
+            self.found += 1
+        return answer
+
+    def _scan(self, topic: str, partition: int, request_id: str, since_ms: int) -> tuple[bytes, bytes] | None:
+        consumer = self._client()
+        deadline = time.monotonic() + LOOKUP_TIMEOUT_S
+        start = consumer.offsets_for_times([TopicPartition(topic, partition, since_ms)], LOOKUP_TIMEOUT_S)[0]
+        if start.error is not None or start.offset < 0:
+            return None  # nothing written since the first admission
+        _, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), LOOKUP_TIMEOUT_S)
+        consumer.assign([TopicPartition(topic, partition, start.offset)])
+        try:
+            read = 0
+            while read < self.max_records and time.monotonic() < deadline:
+                records, end = [], False
+                for msg in consumer.consume(1000, 0.5):
+                    err = msg.error()
+                    if err is not None:
+                        if err.code() == KafkaError._PARTITION_EOF:
+                            end = True
+                        continue
+                    records.append((msg.value(), msg.key()))
+                    end = end or msg.offset() >= high - 1
+                read += len(records)
+                answer = first_terminal(records, request_id, self.decode)
+                if answer is not None or end:
+                    return answer
+            log.warning("gave up reading back %s[%d] for the first answer to %s after %d records; running it",
+                        topic, partition, request_id, read)
+            return None
+        finally:
+            consumer.unassign()
+
+    def _client(self) -> Consumer:
+        if self._consumer is None:
+            # Assigned, never subscribed: the group id is only a name, nothing is committed.
+            self._consumer = Consumer(self.settings.kafka.consumer_config(
+                f"llmq-lookup-{self.worker_id}", **{"isolation.level": "read_committed",
+                                                    "enable.partition.eof": True,
+                                                    "client.id": f"llmq-worker-{self.worker_id}-lookup"}))
+        return self._consumer
+
+    def close(self) -> None:
+        with self._lock:
+            if self._consumer is not None:
+                try:
+                    self._consumer.close()
+                except (KafkaException, RuntimeError):
+                    pass
+                self._consumer = None

@@ -1,0 +1,142 @@
+"""A copy the gateway dispatched again, taken by a worker that never saw the first: the first
+answer read back and given again, byte for byte, instead of running the model a second time.
+
+The reading itself is on a real broker (tests/integration/worker/test_earlier_answers.py); here
+the worker's side with the reader stubbed, and the pure scan over records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from pipeline.models import DISPATCHED_AGAIN_HEADER, Request, Response, Status
+from pipeline.testing import FakeMessage
+from pipeline.worker.earlier_answers import dispatched_again, first_terminal
+from tests.unit.worker.test_preemption import CODEC, make_worker, settle
+
+AGAIN = [(DISPATCHED_AGAIN_HEADER, b"")]
+
+
+def dispatched(request: Request) -> Request:
+    request.admitted_at = request.created_at + 5
+    return request
+
+
+class Reader:
+    """Stands in for EarlierAnswers: what a read-back finds, and what it was asked."""
+
+    enabled = True
+
+    def __init__(self, answer: tuple[bytes, bytes] | None):
+        self.answer = answer
+        self.asked: list = []
+
+    def place(self, topic, partition, key):
+        return 0 if partition is None else partition
+
+    def find(self, topic, partition, request_id, since_ms):
+        self.asked.append((topic, partition, request_id, since_ms))
+        return self.answer
+
+    def close(self):
+        pass
+
+
+def worker_with(reader: Reader, **cfg):
+    worker = make_worker(**cfg)
+    worker.processor.earlier = worker.ctx.earlier = reader
+    return worker
+
+
+def put(worker, request: Request, offset: int, headers=None) -> tuple:
+    tp = (worker.settings.topics.request_topic(request.priority), 0)
+    worker.take(FakeMessage(tp[0], 0, offset, CODEC.encode_request(request), request.tenant_id.encode(), headers))
+    return tp
+
+
+def answered_elsewhere(request: Request) -> tuple[bytes, bytes]:
+    resp = Response.for_request(request, Status.COMPLETED, output="the first answer", worker_id="another-worker",
+                                admitted_at=request.admitted_at, started_at=request.admitted_at + 1,
+                                finished_at=request.admitted_at + 2)
+    return CODEC.encode_response(resp), request.tenant_id.encode()
+
+
+def sent(worker) -> list[bytes]:
+    return [m.value() for m in worker.producer.sent if m.topic() == worker.responses_topic]
+
+
+def test_a_copy_dispatched_again_gets_the_answer_another_worker_gave_and_the_model_is_not_called():
+    async def run():
+        request = dispatched(Request.new("tenant-a", "answered by another worker"))
+        first = answered_elsewhere(request)
+        reader = Reader(first)
+        worker = worker_with(reader, max_inflight=4)
+        tp = put(worker, request, 3, AGAIN)
+        assert worker.dispatch() == 1
+        await settle()
+        assert sent(worker) == [first[0]]
+        assert worker.backend.calls == []
+        assert reader.asked == [(worker.responses_topic, 0, request.request_id, request.admitted_at)]
+        assert dict(worker.checkpoint.tracker.to_commit()).get(tp) == 4
+        # A later copy is answered from memory, without reading back again.
+        put(worker, request, 4, AGAIN)
+        worker.dispatch()
+        await settle()
+        assert sent(worker) == [first[0], first[0]] and len(reader.asked) == 1
+
+    asyncio.run(run())
+
+
+def test_a_copy_dispatched_again_whose_first_answer_is_not_found_runs():
+    async def run():
+        request = dispatched(Request.new("tenant-a", "its first copy never went out"))
+        worker = worker_with(Reader(None), max_inflight=4)
+        put(worker, request, 0, AGAIN)
+        worker.dispatch()
+        await settle()
+        assert worker.backend.calls == [request.request_id]
+        worker.backend.release(request.request_id)
+        await settle()
+        [answer] = [CODEC.decode_response(v) for v in sent(worker)]
+        assert answer.status is Status.COMPLETED and answer.worker_id == "preempt-worker"
+
+    asyncio.run(run())
+
+
+def test_a_first_dispatch_and_a_copy_this_worker_remembers_are_never_read_back():
+    async def run():
+        reader = Reader(None)
+        worker = worker_with(reader, max_inflight=4)
+        request = dispatched(Request.new("tenant-a", "first time"))
+        put(worker, request, 0)
+        worker.dispatch()
+        await settle()
+        worker.backend.release(request.request_id)
+        await settle()
+        put(worker, request, 1, AGAIN)  # dispatched again, but this worker answered the first
+        worker.dispatch()
+        await settle()
+        [answer, again] = sent(worker)
+        assert again == answer and reader.asked == []
+
+    asyncio.run(run())
+
+
+def test_the_scan_gives_the_first_terminal_answer_to_the_id_and_passes_over_the_rest():
+    request = dispatched(Request.new("tenant-a", "scan"))
+    other = dispatched(Request.new("tenant-a", "another id"))
+    progress = Response.for_request(request, Status.QUEUED, queue_position=3)
+    final = Response.for_request(request, Status.COMPLETED, output="done")
+    later = Response.for_request(request, Status.COMPLETED, output="a later repeat")
+    key = b"tenant-a"
+    records = [(None, key), (b"\xc3\x01 not a response " + request.request_id.encode(), key),
+               (CODEC.encode_response(Response.for_request(other, Status.COMPLETED, output="x")), key),
+               (CODEC.encode_response(progress), key), (CODEC.encode_response(final), key),
+               (CODEC.encode_response(later), key)]
+    assert first_terminal(records, request.request_id, CODEC.decode_response) == (CODEC.encode_response(final), key)
+    assert first_terminal(records[:4], request.request_id, CODEC.decode_response) is None
+
+
+def test_only_the_gateways_mark_makes_a_copy_dispatched_again():
+    assert dispatched_again(AGAIN) and dispatched_again([("llmq-not-before", b"1"), *AGAIN])
+    assert not dispatched_again(None) and not dispatched_again([]) and not dispatched_again([("other", b"")])
