@@ -42,10 +42,13 @@ __all__ = [
 #: before which no worker starts it.
 NOT_BEFORE_HEADER = "llmq-not-before"
 
-#: Kafka header of a request the gateway dispatched again (after a failover, or a client's
-#: re-submission of an id): a worker that did not take the first copy reads its answer back
-#: (pipeline/worker/earlier_answers.py). Its value is empty.
+#: Kafka header of a request the gateway dispatched again: its value says why, REDELIVERED (the
+#: gateway read its request record again after a failover) or RESUBMITTED (a client sent the id
+#: again). A worker that did not take the first copy reads its answer back
+#: (pipeline/worker/earlier_answers.py).
 DISPATCHED_AGAIN_HEADER = "llmq-dispatched-again"
+REDELIVERED = b"redelivered"
+RESUBMITTED = b"resubmitted"
 
 
 def now_ms() -> int:

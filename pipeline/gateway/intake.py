@@ -29,7 +29,7 @@ from pipeline.gateway.checkpoint import DecisionCheckpoint
 from pipeline.gateway.outputs import Output
 from pipeline.gateway.seen import Seen, SeenDecisions
 from pipeline.gateway.tenant_states import TenantStates
-from pipeline.models import BANDS, DISPATCHED_AGAIN_HEADER, NOT_BEFORE_HEADER, Priority, Request, Response, Status, now_ms
+from pipeline.models import BANDS, DISPATCHED_AGAIN_HEADER, NOT_BEFORE_HEADER, REDELIVERED, RESUBMITTED, Priority, Request, Response, Status, now_ms
 from pipeline.observability.metrics import GatewayMetrics, reason_code
 from pipeline.policy.admission import Action, Admission, Decision
 from pipeline.policy.shadow import Shadow
@@ -237,12 +237,13 @@ class Intake:
             return
         band = BANDS[seen.dispatched]
         self._dispatch(req, seen.at_ms, band, seen.model or req.model, seen.degraded_from or None, outputs,
-                       seen.not_before_ms, again=True)
+                       seen.not_before_ms, again=REDELIVERED if redelivered else RESUBMITTED)
 
     def _dispatch(self, req: Request, admitted_at: int, band: Priority, model: str, degraded_from: str | None,
-                  outputs: list[Output], not_before_ms: int = 0, again: bool = False) -> None:
-        """``again``: the id was dispatched before (its first copy may have gone out already), so a
-        worker that did not take that copy reads its answer back instead of running it again."""
+                  outputs: list[Output], not_before_ms: int = 0, again: bytes | None = None) -> None:
+        """``again``: the id was dispatched before (its first copy may have gone out already), and
+        why (REDELIVERED, RESUBMITTED): a worker that did not take that copy reads its answer back
+        instead of running it again."""
         req.admitted_at = admitted_at
         req.effective_priority = band
         if degraded_from is not None:
@@ -250,8 +251,8 @@ class Intake:
         topic = self.dispatch[band]
         # Shaped by a rate limit: workers hold it until then (pipeline/worker/scheduler.py).
         headers = [(NOT_BEFORE_HEADER, b"%d" % not_before_ms)] if not_before_ms else None
-        if again:
-            headers = [*(headers or ()), (DISPATCHED_AGAIN_HEADER, b"")]
+        if again is not None:
+            headers = [*(headers or ()), (DISPATCHED_AGAIN_HEADER, again)]
         outputs.append(Output(topic, self.codec.encode_request(req, self.wire, topic), req.tenant_id.encode(), headers))
 
     def _answer(self, response: Response, req: Request) -> Output:

@@ -26,7 +26,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from pipeline.config import Settings
 from pipeline.errors import DecodeError
-from pipeline.models import DISPATCHED_AGAIN_HEADER
+from pipeline.models import DISPATCHED_AGAIN_HEADER, REDELIVERED
 from pipeline.partitioning import ANY_PARTITION, tenant_partition
 
 log = logging.getLogger(__name__)
@@ -38,11 +38,20 @@ CLOCK_SKEW_MS = 10_000
 LOOKUP_TIMEOUT_S = 10.0
 
 
-def dispatched_again(headers: list | None) -> bool:
-    """Whether a dispatched record is the gateway's second (or later) dispatch of its id."""
-    if not headers:
-        return False
-    return any(name == DISPATCHED_AGAIN_HEADER for name, _ in headers)
+def dispatched_again(headers: list | None) -> bytes | None:
+    """Why the gateway dispatched this record's id again (REDELIVERED, RESUBMITTED), or None for
+    its first dispatch."""
+    if headers:
+        for name, value in headers:
+            if name == DISPATCHED_AGAIN_HEADER:
+                return value or b""
+    return None
+
+
+def redelivered(headers: list | None) -> bool:
+    """Whether the gateway dispatched this id again because it read its request record again
+    (a failover), not because a client asked again."""
+    return dispatched_again(headers) == REDELIVERED
 
 
 def first_terminal(records: Iterable, request_id: str, decode: Callable) -> tuple[bytes, bytes] | None:

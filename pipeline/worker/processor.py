@@ -22,7 +22,8 @@ from pipeline.worker.backends.routing import UnknownModelError
 from pipeline.worker.chunk_publisher import stream_completion
 from pipeline.worker.context import WorkerContext
 from pipeline.worker.dedupe import IN_FLIGHT
-from pipeline.worker.earlier_answers import dispatched_again
+from pipeline.models import REDELIVERED
+from pipeline.worker.earlier_answers import dispatched_again, redelivered
 from pipeline.worker.records import Answered, Taken
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class Processor:
         self.scheduler = ctx.scheduler
         self.flow = ctx.flow
         self.recent = ctx.recent
+        self.exactly_once = ctx.checkpoint.exactly_once
         self.earlier = ctx.earlier
         self.stats = ctx.stats
         self.metrics = ctx.metrics
@@ -136,8 +138,11 @@ class Processor:
             first = seen(request.request_id, (tp, offset))
             if first is not None:
                 # Decided when its turn to be answered comes: the first may be answered by then.
+                # Exactly-once, a copy the gateway redelivered is not answered again: the first
+                # answer is what read_committed readers see, once.
+                again = not (self.exactly_once and first is not IN_FLIGHT and redelivered(msg.headers()))
                 outcomes.append(partial(responder.duplicate, tp, offset, request,
-                                        None if first is IN_FLIGHT else first))
+                                        None if first is IN_FLIGHT else first, again))
                 continue
             if cancellations is not None:
                 cancelled = cancellations.reason(request.request_id)
@@ -179,9 +184,10 @@ class Processor:
             tp, offset = (msg.topic(), msg.partition()), msg.offset()
             key = (tp, offset)
             slot = None
-            look_back = look_back_on and request.admitted_at is not None and dispatched_again(msg.headers())
+            look_back = (dispatched_again(msg.headers()) if look_back_on and request.admitted_at is not None
+                         else None)
             try:
-                completion = None if look_back else complete_now(request)
+                completion = None if look_back is not None else complete_now(request)
                 if completion is None:
                     if budget is not None and budget <= 0:
                         back.append(entry)
@@ -265,15 +271,17 @@ class Processor:
         self.metrics.served(waiting.tenant, self.scheduler.rank_of(waiting.partition[0]), cost)
 
     async def _call(self, tp, offset: int, request: Request, started: int, slot=None, waiting=None,
-                    look_back: bool = False) -> None:
+                    look_back: bytes | None = None) -> None:
+        """``look_back``: why the gateway dispatched ``request`` again (see earlier_answers.py), or
+        None for a first dispatch."""
         self.metrics.inflight_child.inc()
         t0 = time.perf_counter()
         key = (tp, offset)
         try:
             backend = self.backend
             completion = None
-            if look_back:
-                if await self._answered_before(tp, offset, request):
+            if look_back is not None:
+                if await self._answered_before(tp, offset, request, look_back):
                     return
                 completion = backend.complete_now(request)
             if completion is None:
@@ -316,9 +324,10 @@ class Processor:
                 self.scheduler.call_ended(key, me)
             self.flow.slot_freed()
 
-    async def _answered_before(self, tp, offset: int, request: Request) -> bool:
+    async def _answered_before(self, tp, offset: int, request: Request, why: bytes) -> bool:
         """Whether another worker answered ``request`` (a copy dispatched again) already: if so,
-        that answer is given again, and remembered for later copies."""
+        that answer is given again (exactly-once, not for a copy the gateway redelivered), and
+        remembered for later copies."""
         topic, partition = self.responder.targets.of(request)
         earlier = self.earlier
         partition = earlier.place(topic, partition, request.tenant_id.encode())
@@ -330,7 +339,7 @@ class Processor:
         value, key = first
         log.info("request %s, dispatched again, was answered by another worker: that answer again", request.request_id)
         self.recent.answered(request.request_id, (tp, offset), value, key)
-        self.responder.duplicate(tp, offset, request, first)
+        self.responder.duplicate(tp, offset, request, first, again=not (self.exactly_once and why == REDELIVERED))
         return True
 
     def cancel(self, request_id: str) -> None:

@@ -126,16 +126,17 @@ class Responder:
                                         reason=f"model_unavailable: no server for model {model}",
                                         model=request.model), target=self.targets.of(request))
 
-    def duplicate(self, tp, offset: int, request: Request, first: tuple | None = None) -> None:
+    def duplicate(self, tp, offset: int, request: Request, first: tuple | None = None, again: bool = True) -> None:
         """A copy of an id taken before (see dedupe.py): the first answer's bytes again, or, the
         first still in flight, nothing (its offset finishes: the first one's answer covers it).
-        ``first``: the first answer's ``(value, key)`` as known when the copy was checked.
+        ``first``: the first answer's ``(value, key)`` as known when the copy was checked;
+        ``again``: False when the first answer, known, covers the copy too (nothing is sent).
 
         Another tenant's request with that id is refused instead: the first answer is not its
         to read. It still says nothing while the first runs, since clients wait for an id's
         first answer, whoever it is keyed by."""
         first = self.recent.answer_of(request.request_id) or first
-        if first is None:
+        if first is None or (not again and first[1] == request.tenant_id.encode()):
             self.stats.duplicates += 1
             self.metrics.duplicates.labels("dropped").inc()
             self.checkpoint.finished(tp, offset)

@@ -13,7 +13,7 @@ import time
 import pytest
 from confluent_kafka import Producer
 
-from pipeline.models import DISPATCHED_AGAIN_HEADER, Priority, Request, Response, Status
+from pipeline.models import DISPATCHED_AGAIN_HEADER, RESUBMITTED, Priority, Request, Response, Status
 from pipeline.serde import Codec
 from pipeline.worker.earlier_answers import EarlierAnswers
 from tests.integration.harness import read_topic, running_worker
@@ -49,7 +49,7 @@ def test_a_copy_dispatched_again_gets_the_answer_another_worker_gave(settings, d
     producer.produce(s.topics.responses, first, b"tenant-a")
     dispatch = s.topics.dispatch_topic(Priority.NORMAL)
     for req in (answered, unanswered):
-        producer.produce(dispatch, CODEC.encode_request(req), b"tenant-a", headers=[(DISPATCHED_AGAIN_HEADER, b"")])
+        producer.produce(dispatch, CODEC.encode_request(req), b"tenant-a", headers=[(DISPATCHED_AGAIN_HEADER, RESUBMITTED)])
     assert producer.flush(30) == 0
 
     def both_answered(msgs) -> bool:

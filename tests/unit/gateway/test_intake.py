@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from pipeline.dlq import H_REASON
-from pipeline.models import DISPATCHED_AGAIN_HEADER, Priority, Request, Response, Status
+from pipeline.models import DISPATCHED_AGAIN_HEADER, REDELIVERED, RESUBMITTED, Priority, Request, Response, Status
 from pipeline.serde import Codec, SerdeLimits
 from tests.unit.gateway.conftest import Event
 
@@ -229,7 +229,7 @@ def test_a_request_dispatched_again_says_so_for_a_worker_that_did_not_take_the_f
     handled(gw, gw.request_event(req, offset=7))  # redelivered after a crash
     [(second, _)] = gw.outputs.sent_before
     assert DISPATCHED_AGAIN_HEADER not in dict(first.headers or ())
-    assert dict(second.headers or ()).get(DISPATCHED_AGAIN_HEADER) == b""
+    assert dict(second.headers or ()).get(DISPATCHED_AGAIN_HEADER) == REDELIVERED
     assert second.value == first.value
 
 
@@ -239,6 +239,8 @@ def test_after_its_answer_an_id_submitted_again_is_dispatched_as_before(gw):
     completed(gw, gw.codec.decode_request(dispatched))
     [(topic, again)] = handled(gw, gw.request_event(req))
     assert topic == gw.settings.topics.dispatch_topic(Priority.NORMAL)
+    [(output, _)] = gw.outputs.sent_before
+    assert dict(output.headers)[DISPATCHED_AGAIN_HEADER] == RESUBMITTED  # a client asked again
     assert gw.tenants.get("acme").outstanding == [0] * 5  # not counted again
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 
-from pipeline.models import DISPATCHED_AGAIN_HEADER, Request, Response, Status
+from pipeline.models import DISPATCHED_AGAIN_HEADER, REDELIVERED, RESUBMITTED, Request, Response, Status
 from pipeline.testing import FakeMessage
 from pipeline.worker.earlier_answers import dispatched_again, first_terminal
 from tests.unit.worker.test_preemption import CODEC, make_worker, settle
 
-AGAIN = [(DISPATCHED_AGAIN_HEADER, b"")]
+AGAIN = [(DISPATCHED_AGAIN_HEADER, RESUBMITTED)]
+REDELIVERY = [(DISPATCHED_AGAIN_HEADER, REDELIVERED)]
 
 
 def dispatched(request: Request) -> Request:
@@ -137,6 +138,42 @@ def test_the_scan_gives_the_first_terminal_answer_to_the_id_and_passes_over_the_
     assert first_terminal(records[:4], request.request_id, CODEC.decode_response) is None
 
 
+def test_exactly_once_a_copy_the_gateway_redelivered_is_not_answered_again_its_first_answer_covers_it():
+    async def run():
+        request = dispatched(Request.new("tenant-a", "redelivered after a gateway failover"))
+        first = answered_elsewhere(request)
+        worker = worker_with(Reader(first), max_inflight=4, delivery="exactly-once")
+        worker.session.consumer = None  # nothing is committed in this test
+        tp = put(worker, request, 3, REDELIVERY)
+        worker.dispatch()
+        await settle()
+        assert worker.backend.calls == [] and worker.checkpoint.ready.get(tp, {}) == {}
+        assert dict(worker.checkpoint.tracker.to_commit()).get(tp) == 4  # its offset finishes, unanswered
+        # A client's re-submission of the id is answered: it asked again.
+        put(worker, request, 4, AGAIN)
+        worker.dispatch()
+        await settle()
+        assert [o.value for o in worker.checkpoint.ready[tp][4]] == [first[0]]
+        assert worker.metrics.duplicates.labels("dropped").value == 1
+
+    asyncio.run(run())
+
+
 def test_only_the_gateways_mark_makes_a_copy_dispatched_again():
-    assert dispatched_again(AGAIN) and dispatched_again([("llmq-not-before", b"1"), *AGAIN])
-    assert not dispatched_again(None) and not dispatched_again([]) and not dispatched_again([("other", b"")])
+    assert dispatched_again(AGAIN) == RESUBMITTED and dispatched_again([("llmq-not-before", b"1"), *REDELIVERY]) == REDELIVERED
+    assert dispatched_again(None) is None and dispatched_again([]) is None and dispatched_again([("other", b"")]) is None
+    assert dispatched_again([(DISPATCHED_AGAIN_HEADER, None)]) == b""
+
+
+def test_exactly_once_a_redelivered_copy_of_an_id_this_worker_answered_is_not_answered_again():
+    reader = Reader(None)
+    worker = worker_with(reader, delivery="exactly-once")
+    worker.session.consumer = None
+    worker.backend.complete_now = lambda request: worker.backend.answer(request)
+    request = dispatched(Request.new("tenant-a", "answered here"))
+    tp = put(worker, request, 0)
+    worker.dispatch()
+    put(worker, request, 1, REDELIVERY)
+    worker.dispatch()
+    assert list(worker.checkpoint.ready[tp]) == [0] and reader.asked == []
+    assert dict(worker.checkpoint.tracker.to_commit()).get(tp) == 2
