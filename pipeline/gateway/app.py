@@ -137,6 +137,8 @@ class Gateway:
 
         self.ownership = Ownership(t.request_partitions)
         self.positions = ReadPositions(committed_or_start(settings, app_id))
+        # Written against the installed faust-streaming only, as the fetch-wait shim.
+        self.recovery_watch = faust_compat.RecoveryWatch(self.app) if scheme == faust_compat.SCHEME else None
         self.holes = HoleReader(settings)
         self.tenants = TenantStates(self.tenants_table)
         self.seen = SeenDecisions(self.seen_table, self.ownership, g.dedupe_horizon_ms)
@@ -230,6 +232,8 @@ class Gateway:
 
         app.timer(0.2, on_leader=False)(self._poll_cancellations)
         app.timer(_SWEEP_S, on_leader=False)(self._sweep)
+        if self.recovery_watch is not None:
+            app.timer(1.0, on_leader=False)(self.recovery_watch.check)
 
         async def assigned(sender, assigned, **kwargs):
             request_topics = set(gateway.request_ranks)

@@ -1,4 +1,5 @@
-"""The one shim llmq keeps on faust-streaming: the consumer's fetch wait (and fetch minimum).
+"""The shims llmq keeps on faust-streaming: the consumer's fetch wait (and fetch minimum), and a
+watch on table recovery.
 
 Upstream: robinhood/faust#281, "Make fetch_max_wait_ms configurable" (open since January 2019).
 faust-streaming, the maintained fork, still builds its aiokafka consumer with
@@ -30,6 +31,22 @@ For ``gateway.processing_guarantee = "exactly-once"`` (pipeline/gateway/transact
 consumer also reads read_committed (Faust sets that only for its own exactly_once), and
 :func:`commits_held` keeps Faust's periodic commit out of the way of the gateway's transactions
 through the future Faust itself uses to let one commit run at a time (``Consumer._commit_fut``).
+
+**Recovery that never ends** (:class:`RecoveryWatch`). Seen in the scale-out test: after two
+rebalances in a row, a gateway's recovery of an active changelog partition logged "No event
+received for active tp ... since recovery start" for minutes, and the gateway admitted nothing.
+Faust pauses every partition at a rebalance, and its drain loop passes that (empty) set of active
+partitions to aiokafka's ``getmany``, which reads an empty set as "no filter"; a ``getmany`` still
+waiting from before the rebalance can then take the changelog records Recovery has just sought
+to, and Faust drops them ("getmany called while flow not active"), while aiokafka's position has
+moved to the end. Recovery waits for records nobody will fetch again. Related upstream:
+robinhood/faust#69 (pausing during a getmany fetched every partition), faust-streaming/faust#253
+and #256 (a fetch after assignment discarded; the fallback re-seeks committed offsets only, never
+a changelog's). The watch uses Faust's public consumer interface: an active changelog partition
+with records left, none applied for ``stall_s``, and a consumer position past what Recovery has
+applied is sought back there (``Consumer.seek_wait``); Recovery applies only records past what it
+has, so reading some again is harmless. ``stream_recovery_delay`` would avoid the race too, at the
+cost of that delay on every failover.
 """
 
 from __future__ import annotations
@@ -37,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from importlib import metadata
 from typing import Any
 
@@ -130,3 +148,49 @@ class Transport(faust_aiokafka.Transport):
     """Faust's aiokafka transport, its consumer's fetch wait set by llmq (robinhood/faust#281)."""
 
     Consumer = Consumer
+
+
+class RecoveryWatch:
+    """Seeks an active changelog partition back to where Recovery stands when Recovery has waited
+    ``stall_s`` for its records while the consumer's position is past them (see the module)."""
+
+    def __init__(self, app, stall_s: float = 3.0, clock=time.monotonic):
+        self.app = app
+        self.stall_s = stall_s
+        self.clock = clock
+        #: (generation, tp) → (the offset Recovery stood at, since when)
+        self._waiting: dict[tuple, tuple[int, float]] = {}
+        self.sought = 0
+
+    async def check(self) -> None:
+        recovery = self.app.tables.recovery
+        if not recovery.in_recovery:
+            self._waiting.clear()
+            return
+        now, generation = self.clock(), self.app.consumer_generation_id
+        offsets = recovery.active_offsets
+        for tp, remaining in recovery.active_remaining().items():
+            if remaining <= 0:
+                continue
+            key, offset = (generation, tp), offsets[tp]
+            stood = self._waiting.get(key)
+            if stood is None or stood[0] != offset:
+                self._waiting[key] = (offset, now)  # new, or Recovery moved on: wait afresh
+                continue
+            if now - stood[1] < self.stall_s:
+                continue
+            self._waiting[key] = (offset, now)
+            at = max(offset, 0)
+            position = await self.app.consumer.position(tp)
+            if self.app.consumer_generation_id != generation:
+                continue
+            if position is None or position <= at + 1:
+                log.info("table recovery of %s[%d] has had no record for %.0f s (at offset %d, %d to go; the "
+                         "consumer is at %s)", tp.topic, tp.partition, self.stall_s, at, remaining, position)
+                continue
+            log.warning("table recovery of %s[%d] has had no record for %.0f s although the consumer is at "
+                        "offset %d, past %d: seeking back (faust-streaming drops a fetch taken across a "
+                        "rebalance; see pipeline/gateway/faust_compat.py)", tp.topic, tp.partition,
+                        self.stall_s, position, at)
+            await self.app.consumer.seek_wait({tp: at})
+            self.sought += 1
