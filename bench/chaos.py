@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import httpx  # noqa: E402
 
 from chaos_faults import CLUSTER_FAULTS, WORKER_FAULTS, Faults, Supervised, fault_plan  # noqa: E402
-from chaos_load import Pacer, ResponseCounter, SdkCallers, ServeCallers, fresh_counter  # noqa: E402
+from chaos_load import Pacer, ResponseCounter, SdkCallers, ServeCallers, fresh_counter, locate  # noqa: E402
 from pipeline.broker import free_port, lasting_ports  # noqa: E402
 from pipeline.cluster import LocalCluster  # noqa: E402
 from pipeline.config import Settings  # noqa: E402
@@ -243,8 +243,15 @@ def run_mode(mode: str, cluster: LocalCluster, args, rng: random.Random, log_dir
     final.start()
     final.settle()
     final.stop()
-    return summarize(mode, pipeline, pacer, sdk, serve, final, events, [k for _, k in pending], exit_codes,
-                     time.monotonic() - t0, args)
+    result = summarize(mode, pipeline, pacer, sdk, serve, final, events, [k for _, k in pending], exit_codes,
+                       time.monotonic() - t0, args)
+    if result["unanswered"]:
+        # While the cluster still runs: hidden behind a transaction, stuck before a worker, or lost?
+        written = set(pacer.ids) - set(pacer.undelivered)
+        result.update(locate(settings, {rid for rid in written if final.counts[rid] == 0}))
+        _log(f"[{mode}] unanswered: {result['unanswered_where']}; response partitions behind open transactions: "
+             f"{result['responses_behind_open_transactions'] or 'none'}")
+    return result
 
 
 def summarize(mode, pipeline, pacer, sdk, serve, final, events, not_injected, exit_codes, elapsed, args) -> dict:

@@ -5,6 +5,7 @@
 * :class:`ServeCallers`: threads calling ``llmq serve``'s chat endpoint, as an OpenAI client
   would, retrying a 503 after its ``Retry-After`` until the call's own deadline.
 * :class:`ResponseCounter`: every answer on the response topic as a read_committed reader sees it.
+* :func:`locate`: where the requests that reader saw no answer to are.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import httpx
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 from pipeline.client import LlmqClient
 from pipeline.config import Settings
@@ -253,3 +254,65 @@ def fresh_counter(settings: Settings, old: ResponseCounter) -> ResponseCounter:
     fresh.start()
     old.stop()
     return fresh
+
+
+def _read_all(settings: Settings, topic: str, isolation: str, timeout_s: float = 60.0) -> list:
+    """Every record of ``topic`` up to its end as ``isolation`` sees it: ``[(partition, value)]``."""
+    consumer = Consumer({"bootstrap.servers": settings.kafka.bootstrap, "log_level": 2,
+                         "group.id": f"chaos-locate-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False,
+                         "isolation.level": isolation, "enable.partition.eof": True})
+    try:
+        parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
+        out, ended, deadline = [], set(), time.monotonic() + timeout_s
+        while len(ended) < len(parts) and time.monotonic() < deadline:
+            for msg in consumer.consume(1000, 0.5):
+                if msg.error() is None:
+                    out.append((msg.partition(), msg.value()))
+                elif msg.error().code() == KafkaError._PARTITION_EOF:
+                    ended.add(msg.partition())
+        return out
+    finally:
+        consumer.close()
+
+
+def locate(settings: Settings, ids: set[str]) -> dict:
+    """Where requests a read_committed reader saw no answer to are: answered but only visible
+    read_uncommitted (behind an open or aborted transaction), dispatched (committed, or only
+    uncommitted), or still in a request topic. And per response partition, how far the last
+    stable offset stands behind the end (an open transaction holds read_committed readers there)."""
+    codec, topics = Codec.default(), settings.topics
+    where = dict.fromkeys(ids, "nowhere")
+    # Each id ends at the furthest place it was found (read_uncommitted sees committed records too).
+    rank = {label: i for i, label in enumerate(("nowhere", "in a request topic", "dispatched, only uncommitted",
+                                                "dispatched", "answered, only uncommitted"))}
+
+    def mark(topic_names, decode, label, isolation):
+        for topic in topic_names:
+            for _, value in _read_all(settings, topic, isolation):
+                try:
+                    rid = decode(value).request_id
+                except Exception:  # noqa: BLE001 (a dead letter's bytes, say: not ours to place)
+                    continue
+                if rid in where and rank[label] > rank[where[rid]]:
+                    where[rid] = label
+
+    mark(topics.request_topics, codec.decode_request, "in a request topic", "read_uncommitted")
+    mark(topics.dispatch_topics, codec.decode_request, "dispatched, only uncommitted", "read_uncommitted")
+    mark(topics.dispatch_topics, codec.decode_request, "dispatched", "read_committed")
+    mark([topics.responses], codec.decode_response, "answered, only uncommitted", "read_uncommitted")
+    gaps = {}
+    probe = {iso: Consumer({"bootstrap.servers": settings.kafka.bootstrap, "group.id": f"chaos-lso-{iso}",
+                            "isolation.level": iso}) for iso in ("read_committed", "read_uncommitted")}
+    try:
+        parts = probe["read_committed"].list_topics(topics.responses, timeout=30).topics[topics.responses].partitions
+        for p in parts:
+            tp = TopicPartition(topics.responses, p)
+            stable = probe["read_committed"].get_watermark_offsets(tp, timeout=10)[1]
+            end = probe["read_uncommitted"].get_watermark_offsets(tp, timeout=10)[1]
+            if end > stable:
+                gaps[p] = end - stable
+    finally:
+        for c in probe.values():
+            c.close()
+    return {"unanswered_where": dict(collections.Counter(where.values())), "responses_behind_open_transactions": gaps}
