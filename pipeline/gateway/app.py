@@ -43,7 +43,8 @@ from pipeline.gateway.intake import Intake
 from pipeline.gateway.membership import broker_session_bounds, choose_session_ms, heartbeat_ms
 from pipeline.gateway.outputs import Outputs
 from pipeline.gateway.partitions import Ownership, partitioner
-from pipeline.gateway.positions import HoleReader, ReadPositions, RequestPartition, committed_or_start
+from pipeline.gateway.positions import (HoleReader, ReadPositions, RequestPartition, committed_of_partition,
+                                        committed_or_start)
 from pipeline.gateway.seen import SeenDecisions
 from pipeline.gateway.tenant_states import TenantStates
 from pipeline.gateway.transactions import Redeliveries, Transactions
@@ -169,7 +170,8 @@ class Gateway:
         if exactly_once:
             self.transactions = Transactions(
                 app_id, {**settings.kafka.aiokafka_config(), "client_id": f"{app_id}-eos"}, self._refused,
-                hold_commits=lambda: faust_compat.commits_held(self.app.consumer))
+                hold_commits=lambda: faust_compat.commits_held(self.app.consumer),
+                read_floor=committed_of_partition(settings, app_id, [*self.request_ranks, t.responses, t.receipts]))
         else:
             # An output not delivered within a minute stops the gateway (Outputs), and the restart
             # redoes from the last commit: after a whole-cluster restart librdkafka's idempotent
@@ -310,7 +312,8 @@ class Gateway:
 
     def fresh(self, msg) -> bool:
         """At-least-once every record is decided; exactly-once not one delivered again (transactions.py)."""
-        return self.transactions is None or self.redeliveries.fresh(msg.topic, msg.partition, msg.offset)
+        return self.transactions is None or (self.transactions.fresh(msg.topic, msg.partition, msg.offset)
+                                             and self.redeliveries.fresh(msg.topic, msg.partition, msg.offset))
 
     def _refused(self, what: str) -> None:
         """The broker refused an output after librdkafka's retries (or a transaction): stop, so

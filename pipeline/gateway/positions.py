@@ -151,3 +151,20 @@ def committed_or_start(settings, group: str) -> Callable[[list[RequestPartition]
         return out
 
     return read
+
+
+def committed_of_partition(settings, group: str, topics: list[str]) -> Callable[[int], dict[str, int]]:
+    """``read(p)``: ``group``'s committed offset of partition ``p`` of each of ``topics`` (those it
+    has one for), read with librdkafka, read_committed: stable offsets only (KIP-447)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    def read(partition: int) -> dict[str, int]:
+        consumer = Consumer(settings.kafka.consumer_config(group, **{"enable.auto.commit": False,
+                                                                     "isolation.level": "read_committed"}))
+        try:
+            got = consumer.committed([TopicPartition(t, partition) for t in topics], timeout=10)
+        finally:
+            consumer.close()
+        return {tp.topic: tp.offset for tp in got if tp.offset >= 0}
+
+    return read

@@ -141,7 +141,10 @@ class Transactions:
     """One transactional aiokafka producer per assigned request partition number."""
 
     def __init__(self, app_id: str, client_config: dict[str, Any], on_failure: Callable[[str], None], *,
-                 group_id: str | None = None, hold_commits=None, transaction_timeout_ms: int = 60_000):
+                 group_id: str | None = None, hold_commits=None, transaction_timeout_ms: int = 60_000,
+                 read_floor: Callable[[int], dict[str, int]] | None = None):
+        """``read_floor(p)``: the group's committed offsets of partition number ``p``, per source
+        topic (blocking; read once ``p``'s producer has started)."""
         self.app_id = app_id
         self.group_id = group_id or app_id  # Faust's consumer group is its app id
         self.client_config = client_config
@@ -159,6 +162,15 @@ class Transactions:
         self._starting: dict[int, asyncio.Task] = {}
         self.committed = 0  # transactions committed (for tests and logs)
         self.failed: list[str] = []
+        # The previous owner's last transaction may have been committing when this gateway read
+        # the group's offsets at assignment (aiokafka's offset fetch cannot ask for stable
+        # offsets, KIP-447): its offsets were not the group's yet, so Faust starts before them.
+        # Once this partition's producer has started, that transaction is over (InitProducerId
+        # waits for it), and the offsets read then are the floor: an event below it was decided,
+        # sent and committed by the previous owner, and is neither decided nor sent again here.
+        self.read_floor = read_floor
+        self.floors: dict[int, dict[str, int]] = {}
+        self.below_floor = 0  # events dropped so (for tests and logs)
 
     def transactional_id(self, partition: int) -> str:
         return f"{self.app_id}-eos-{partition}"
@@ -206,6 +218,7 @@ class Transactions:
             try:
                 await producer.start()
                 log.info("transactional producer started for partition %d", partition)
+                await self._read_floor(partition)
                 return producer
             except KafkaError as exc:
                 log.warning("transactional producer of partition %d not started (%r); retrying", partition, exc)
@@ -215,7 +228,28 @@ class Transactions:
                     pass
                 await asyncio.sleep(retry_s)
 
+    async def _read_floor(self, partition: int) -> None:
+        if self.read_floor is None:
+            return
+        try:
+            self.floors[partition] = await asyncio.to_thread(self.read_floor, partition)
+        except Exception as exc:  # noqa: BLE001 (KafkaException: without a floor, as before)
+            log.warning("could not read the committed offsets of partition %d (%s): events the previous owner "
+                        "committed may be sent again", partition, exc)
+
+    def fresh(self, topic: str, partition: int, offset: int) -> bool:
+        """Whether an event is not below its partition's floor (committed by the previous owner)."""
+        floor = self.floors.get(partition)
+        if floor is None or offset >= floor.get(topic, -1):
+            return True
+        self.below_floor += 1
+        if self.below_floor == 1 or not self.below_floor % 1000:
+            log.info("%s[%d]@%d was committed by this partition's previous owner: dropped (%d so far)", topic,
+                     partition, offset, self.below_floor)
+        return False
+
     async def _stop(self, partition: int) -> None:
+        self.floors.pop(partition, None)
         starting = self._starting.pop(partition, None)
         producer = self._producers.pop(partition, None)
         if starting is not None and (not starting.done() or starting.cancelled()):
@@ -272,6 +306,9 @@ class Transactions:
             raise Superseded(work.partition)
         if producer is None:
             raise TransactionFailed(f"partition {work.partition} is not assigned to this gateway")
+        work = self._above_floor(work)
+        if not work.outputs:
+            return  # all committed by the previous owner already
         await producer.begin_transaction()
         try:
             sent = []
@@ -303,6 +340,23 @@ class Transactions:
                     asyncio.ensure_future(_quiet_stop(producer))
                 raise Superseded(work.partition) from exc
             raise
+
+
+    def _above_floor(self, work: PartitionWork) -> PartitionWork:
+        """``work`` without the events decided before the floor was known that the previous owner
+        had committed (their outputs are out already), nor offsets that would take the group back."""
+        floor = self.floors.get(work.partition)
+        if not floor:
+            return work
+        outputs = []
+        for done, out in work.outputs:
+            msg = _message(done)
+            if msg is None or self.fresh(msg.topic, msg.partition, msg.offset):
+                outputs.append((done, out))
+        if len(outputs) == len(work.outputs):
+            return work
+        offsets = {topic: offset for topic, offset in work.offsets.items() if offset > floor.get(topic, -1)}
+        return PartitionWork(work.partition, outputs, offsets)
 
 
 def _fenced(exc: BaseException) -> bool:

@@ -264,3 +264,34 @@ def test_a_record_delivered_again_in_one_assignment_is_dropped():
     assert r.fresh("req", 1, 0) and r.dropped == 2
     r.assigned()  # a new assignment: what the group committed comes first again
     assert r.fresh("req", 0, 5)
+
+
+def test_events_the_previous_owner_committed_are_neither_sent_again_nor_take_the_group_back():
+    # Faust started below the floor: the previous owner's last transaction was still committing
+    # when the offsets were read at assignment; once this partition's producer started it is over.
+    log, failures = [], []
+    txns = transactions(log, failures)
+    txns.floors[0] = {"req.high": 10, "responses": 41}
+    old, new, reply = done("req.high", 0, 8, 1), done("req.high", 0, 12, 1), done("responses", 0, 40)
+    assert not txns.fresh("req.high", 0, 9) and txns.fresh("req.high", 0, 10) and txns.fresh("req.low", 0, 0)
+    assert run(txns.commit([old, new, reply], [(old, [out("old")]), (new, [out("new")])])) == set()
+    assert [step for p, step in log if p == 0] == [
+        "begin", ("send", b"new"), ("offsets", "gw", [("req.high", 0, 13)]), "commit"]
+    log.clear()
+    assert run(txns.commit([old], [(old, [out("old")])])) == set()
+    assert log == []  # all of it committed by the previous owner: no transaction at all
+
+
+def test_the_floor_is_read_once_the_partitions_producer_has_started(monkeypatch):
+    import aiokafka
+
+    steps = []
+
+    class Started:
+        async def start(self):
+            steps.append("producer started")
+
+    monkeypatch.setattr(aiokafka, "AIOKafkaProducer", lambda **kw: Started())
+    txns = Transactions("gw", {}, [].append, read_floor=lambda p: steps.append(("floor", p)) or {"req.high": 3})
+    run(txns._start(4))
+    assert steps == ["producer started", ("floor", 4)] and txns.floors == {4: {"req.high": 3}}
