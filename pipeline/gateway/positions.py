@@ -132,7 +132,7 @@ class HoleReader:
 
 def committed_or_start(settings, group: str) -> Callable[[list[RequestPartition]], dict[RequestPartition, int]]:
     """Committed offsets of ``group`` (the log start where it has none), read with librdkafka."""
-    from confluent_kafka import Consumer, TopicPartition
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
 
     consumer = None  # made at the first assignment: it never joins the group, only reads its offsets
 
@@ -143,11 +143,22 @@ def committed_or_start(settings, group: str) -> Callable[[list[RequestPartition]
         if consumer is None:
             consumer = Consumer(settings.kafka.consumer_config(group, **{"enable.auto.commit": False}))
         out: dict[RequestPartition, int] = {}
+        missing = []
         for tp in consumer.committed([TopicPartition(t, p) for t, p in tps], timeout=10):
-            offset = tp.offset
-            if offset < 0:
-                offset = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=10)[0]
-            out[RequestPartition(tp.topic, tp.partition)] = offset
+            if tp.offset >= 0:
+                out[RequestPartition(tp.topic, tp.partition)] = tp.offset
+            else:
+                missing.append(tp)
+        # A partition without a commit starts at its log start. One whose leader is unknown now
+        # (a broker down) stays unguarded; the others keep their guard.
+        for tp in missing:
+            try:
+                start = consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=5)[0]
+            except KafkaException as exc:
+                log.warning("%s[%d]: no committed offset and its log start unknown (%s): unguarded after this "
+                            "rebalance (faust-streaming#221)", tp.topic, tp.partition, exc)
+                continue
+            out[RequestPartition(tp.topic, tp.partition)] = start
         return out
 
     return read

@@ -48,3 +48,32 @@ def test_offsets_that_cannot_be_read_leave_the_partitions_unguarded():
     p = ReadPositions(down)
     p.assigned([TP])
     assert p.check(TP, 50) is None
+
+
+def test_a_partition_whose_log_start_cannot_be_read_leaves_the_others_guarded(monkeypatch):
+    # A broker down: a partition without a commit needs its log start, which fails; the one with
+    # a commit keeps its guard (it used to lose it with the rest).
+    import confluent_kafka
+
+    from pipeline.config import Settings
+    from pipeline.gateway.positions import committed_or_start
+
+    committed_tp, fresh_tp = RequestPartition("llm.requests.critical", 0), RequestPartition("llm.requests.low", 1)
+
+    class Consumer:
+        def __init__(self, conf):
+            pass
+
+        def committed(self, tps, timeout=None):
+            return [confluent_kafka.TopicPartition(t.topic, t.partition, 148 if t.topic == committed_tp.topic else -1001)
+                    for t in tps]
+
+        def get_watermark_offsets(self, tp, timeout=None):
+            raise confluent_kafka.KafkaException(confluent_kafka.KafkaError(confluent_kafka.KafkaError._UNKNOWN_PARTITION))
+
+    monkeypatch.setattr(confluent_kafka, "Consumer", Consumer)
+    read = committed_or_start(Settings.load(env={}), "gw")
+    p = ReadPositions(read)
+    p.assigned([committed_tp, fresh_tp])
+    assert p.check(committed_tp, 204) == Hole(first=148, end=204)
+    assert p.check(fresh_tp, 7) is None  # unguarded
