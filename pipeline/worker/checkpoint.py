@@ -284,7 +284,10 @@ class OffsetCheckpoint:
         for tp in partitions:
             self.done_before.pop(tp, None)
         if self.session.producer is not None:  # None once abandoned: nothing can be committed then
-            self.session.producer.flush(10)
+            try:
+                self.session.producer.flush(10)
+            except Exception as exc:  # noqa: BLE001 (a producer in a fatal state: the session starts over)
+                log.warning("flushing before a revocation failed: %s", exc)
         self.commit(asynchronous=False, only=partitions)
         return self.lost(partitions)
 

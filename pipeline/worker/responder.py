@@ -3,7 +3,8 @@
 At-least-once, an outcome is produced at once (publisher.py) and its offset finishes when the
 broker acknowledges it; a message the broker did not acknowledge is published again, and a
 fatal producer error stops the worker. Exactly-once, outcomes are handed to the offset
-checkpoint, which publishes them in the transaction that commits their offsets.
+checkpoint, which publishes them in the transaction that commits their offsets, and a fatal
+producer error restarts the session with a new producer.
 
 An answer that does not fit the size caps (a runaway model output) still ends in a response:
 a FAILED one without the output.
@@ -284,6 +285,14 @@ class Responder:
                 self.publisher.produce(instead[0], msg.value(), msg.key(), msg.headers(), on_delivery, instead[1])
                 return
         if err.fatal():
+            if self.checkpoint.exactly_once:
+                # A transactional producer's fatal error (fenced, or a transaction the coordinator
+                # lost track of while it moved) ends that producer, not the worker: the session
+                # starts over from the committed offsets with a new one, which fences it.
+                self.session.restart = True
+                log.warning("fatal producer error (%s): starting over from the committed offsets with a new "
+                            "producer", err)
+                return
             self.session.fail(KafkaOperationError("produce response", err.str(), err))
             log.error("fatal producer error, stopping without committing %s: %s", what, err)
             return

@@ -48,3 +48,21 @@ def test_the_worker_stops_with_an_error_once_too_many_producers_are_abandoned(mo
         assert (worker.session.fatal is None) == (n < checkpoint.MAX_ABANDONED_PRODUCERS)
     assert isinstance(worker.session.fatal, KafkaOperationError)
     assert "3 producers abandoned" in str(worker.session.fatal)
+
+
+@pytest.mark.parametrize("delivery", ["at-least-once", "exactly-once"])
+def test_a_fatal_producer_error_ends_the_session_exactly_once_and_the_worker_at_least_once(delivery):
+    from confluent_kafka import KafkaError
+
+    from pipeline.testing import FakeMessage
+    from tests.unit.worker.test_preemption import make_worker
+
+    worker = make_worker(delivery=delivery)
+    err = KafkaError(KafkaError.INVALID_TXN_STATE, "Failed to end transaction", fatal=True)
+    msg = FakeMessage(worker.responses_topic, 0, -1, b"answer", b"tenant-a")
+    worker.responder._not_delivered(err, msg, lambda *a: None, "llm.dispatch.normal[0]@7")
+    if delivery == "exactly-once":
+        # A transactional producer's fatal error: a new session with a new producer fences it.
+        assert worker.session.restart and worker.session.fatal is None
+    else:
+        assert worker.session.fatal is not None and not worker.session.restart
