@@ -29,7 +29,8 @@ from pipeline.gateway.checkpoint import DecisionCheckpoint
 from pipeline.gateway.outputs import Output
 from pipeline.gateway.seen import Seen, SeenDecisions
 from pipeline.gateway.tenant_states import TenantStates
-from pipeline.models import BANDS, DISPATCHED_AGAIN_HEADER, NOT_BEFORE_HEADER, REDELIVERED, RESUBMITTED, Priority, Request, Response, Status, now_ms
+from pipeline.models import (BANDS, DISPATCHED_AGAIN_HEADER, NOT_BEFORE_HEADER, REDELIVERED, RESUBMITTED,
+                             Priority, Request, Response, Status, now_ms)
 from pipeline.observability.metrics import GatewayMetrics, reason_code
 from pipeline.policy.admission import Action, Admission, Decision
 from pipeline.policy.shadow import Shadow

@@ -15,14 +15,13 @@ import logging
 import time
 
 from pipeline.errors import DecodeError, LimitExceeded
-from pipeline.models import Request, now_ms
+from pipeline.models import REDELIVERED, Request, now_ms
 from pipeline.policy.validation import validate_request
 from pipeline.worker.backends.base import Backend, PacedBackend, StreamingBackend
 from pipeline.worker.backends.routing import UnknownModelError
 from pipeline.worker.chunk_publisher import stream_completion
 from pipeline.worker.context import WorkerContext
 from pipeline.worker.dedupe import IN_FLIGHT
-from pipeline.models import REDELIVERED
 from pipeline.worker.earlier_answers import dispatched_again, redelivered
 from pipeline.worker.records import Answered, Taken
 
@@ -337,7 +336,8 @@ class Processor:
         if first is None:
             return False
         value, key = first
-        log.info("request %s, dispatched again, was answered by another worker: that answer again", request.request_id)
+        log.info("request %s, dispatched again, was answered by another worker: that answer again",
+                 request.request_id)
         self.recent.answered(request.request_id, (tp, offset), value, key)
         self.responder.duplicate(tp, offset, request, first, again=not (self.exactly_once and why == REDELIVERED))
         return True
