@@ -171,6 +171,14 @@ class Transactions:
         self.read_floor = read_floor
         self.floors: dict[int, dict[str, int]] = {}
         self.below_floor = 0  # events dropped so (for tests and logs)
+        # The same holds for a partition kept across a rebalance: Faust seeks it back to the
+        # committed offsets while this gateway's own round may still be committing past them.
+        # So after every assignment each partition's floor is read again (a new one's once its
+        # producer started, a kept one's once the round running at the rebalance has ended), and
+        # its events wait for that (:meth:`settled`) before they are decided.
+        self._floor_tasks: dict[int, asyncio.Future] = {}
+        self._floor_after: dict[int, asyncio.Future | None] = {}  # the round a kept partition's floor waits for
+        self._round: asyncio.Future | None = None  # the round committing now
 
     def transactional_id(self, partition: int) -> str:
         return f"{self.app_id}-eos-{partition}"
@@ -188,7 +196,12 @@ class Transactions:
         self._fenced -= self._assigned  # assigned (again): a new producer starts below
         new = sorted(p for p in partitions if p not in self._producers and p not in self._starting)
         for p in new:  # before any await: a round from now on waits for them
-            self._starting[p] = asyncio.ensure_future(self._start(p))
+            self._starting[p] = self._floor_tasks[p] = asyncio.ensure_future(self._start(p))
+            self._floor_after[p] = None
+        if self.read_floor is not None:
+            for p in sorted(set(partitions) - set(new)):
+                self._floor_tasks[p] = asyncio.ensure_future(self._refresh_floor(p, self._round))
+                self._floor_after[p] = self._round
         gone = [p for p in (*self._producers, *self._starting) if p not in partitions]
         for p in gone:
             asyncio.ensure_future(self._stop(p))
@@ -228,6 +241,17 @@ class Transactions:
                     pass
                 await asyncio.sleep(retry_s)
 
+    def settled(self, partition: int) -> asyncio.Future | None:
+        """What an event of ``partition`` waits for before it is decided (its floor being read
+        after the last assignment), or None."""
+        task = self._floor_tasks.get(partition)
+        return None if task is None or task.done() else task
+
+    async def _refresh_floor(self, partition: int, running: asyncio.Future | None) -> None:
+        if running is not None:
+            await asyncio.wait([running])
+        await self._read_floor(partition)
+
     async def _read_floor(self, partition: int) -> None:
         if self.read_floor is None:
             return
@@ -250,6 +274,10 @@ class Transactions:
 
     async def _stop(self, partition: int) -> None:
         self.floors.pop(partition, None)
+        self._floor_after.pop(partition, None)
+        floor_task = self._floor_tasks.pop(partition, None)
+        if floor_task is not None and not floor_task.done() and floor_task is not self._starting.get(partition):
+            floor_task.cancel()
         starting = self._starting.pop(partition, None)
         producer = self._producers.pop(partition, None)
         if starting is not None and (not starting.done() or starting.cancelled()):
@@ -275,11 +303,16 @@ class Transactions:
         work = [w for w in group_round(dones, outputs).values() if w.outputs]
         if not work:
             return set()
-        if self.hold_commits is None:
-            results = await self._all(work)
-        else:
-            async with self.hold_commits():
+        self._round = asyncio.get_running_loop().create_future()
+        try:
+            if self.hold_commits is None:
                 results = await self._all(work)
+            else:
+                async with self.hold_commits():
+                    results = await self._all(work)
+        finally:
+            self._round.set_result(None)
+            self._round = None
         superseded = [r for r in results if isinstance(r, Superseded)]
         if superseded:
             log.info("%d transactions of this round fenced by a newer producer of their partition (it moved); "
@@ -306,6 +339,9 @@ class Transactions:
             raise Superseded(work.partition)
         if producer is None:
             raise TransactionFailed(f"partition {work.partition} is not assigned to this gateway")
+        refresh = self.settled(work.partition)
+        if refresh is not None and self._floor_after.get(work.partition) is not self._round:
+            await asyncio.wait([refresh])  # a floor read after an earlier round: this round's events are newer
         work = self._above_floor(work)
         if not work.outputs:
             return  # all committed by the previous owner already

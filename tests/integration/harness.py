@@ -116,9 +116,12 @@ def _high_watermark(consumer, tp, timeout: float = 30.0) -> int:
 
 
 def committed_offsets(bootstrap: str, group: str, topics: list[str]) -> dict[tuple[str, int], int]:
+    """Where ``group`` stands now: offsets committed so far (an open transaction's offsets are not,
+    and are not waited for: read_committed would ask for stable offsets, KIP-447)."""
     from confluent_kafka import Consumer, TopicPartition
 
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False,
+                         "isolation.level": "read_uncommitted"})
     try:
         parts = []
         for topic in topics:

@@ -295,3 +295,34 @@ def test_the_floor_is_read_once_the_partitions_producer_has_started(monkeypatch)
     txns = Transactions("gw", {}, [].append, read_floor=lambda p: steps.append(("floor", p)) or {"req.high": 3})
     run(txns._start(4))
     assert steps == ["producer started", ("floor", 4)] and txns.floors == {4: {"req.high": 3}}
+
+
+def test_a_partition_kept_across_a_rebalance_reads_its_floor_again_once_the_running_round_ended():
+    # Faust seeks a kept partition back to the group's offsets while this gateway's own round may
+    # still be committing past them: its events wait for the floor read after that round.
+    async def go():
+        log, failures, reads = [], [], []
+        release = asyncio.Event()
+        txns = Transactions("gw", {}, failures.append, read_floor=lambda p: reads.append(p) or {"req.high": 150})
+
+        class Slow(Producer):
+            async def commit_transaction(self):
+                await release.wait()
+                self._step("commit")
+
+        txns._producers = {0: Slow(log, 0)}
+        a = done("req.high", 0, 149, 1)
+        round_ = asyncio.ensure_future(txns.commit([a], [(a, [out("a")])]))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        await txns.assigned({0})  # the rebalance, while the round commits
+        waiting = txns.settled(0)
+        assert waiting is not None and reads == []  # not before the round has ended
+        release.set()
+        assert await round_ == set()  # the round itself does not wait for the floor read after it
+        await asyncio.wait([waiting])
+        assert reads == [0] and txns.settled(0) is None
+        # Faust delivers 149 again (it sought back to the offset read before the commit): dropped.
+        assert not txns.fresh("req.high", 0, 149) and txns.fresh("req.high", 0, 150)
+
+    run(go())
