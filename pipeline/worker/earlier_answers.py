@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 CLOCK_SKEW_MS = 10_000
 #: How long one lookup may read before the copy runs as new instead.
 LOOKUP_TIMEOUT_S = 10.0
+#: After a lookup the broker could not answer (a leader down), how long copies run as new without
+#: one: lookups go one at a time, and each would wait out its timeout again.
+COOL_DOWN_S = 10.0
 
 
 def dispatched_again(headers: list | None) -> bytes | None:
@@ -84,6 +87,7 @@ class EarlierAnswers:
         self._consumer: Consumer | None = None
         self._lock = threading.Lock()
         self.found = self.missed = 0
+        self._failed_at = -COOL_DOWN_S
 
     @property
     def enabled(self) -> bool:
@@ -102,12 +106,17 @@ class EarlierAnswers:
         ``since_ms`` (less the clock skew), or None. Blocking: run it off the event loop. A Kafka
         error is a miss: the copy then runs as new, as it would have."""
         with self._lock:
-            try:
-                answer = self._scan(topic, partition, request_id, max(0, since_ms - CLOCK_SKEW_MS))
-            except KafkaException as exc:
-                log.warning("could not read back %s[%d] for the first answer to a copy (%s); running it",
-                            topic, partition, exc.args[0])
-                answer = None
+            if time.monotonic() - self._failed_at < COOL_DOWN_S:
+                answer = None  # the broker could not answer the last one: no waiting it out again
+            else:
+                try:
+                    answer = self._scan(topic, partition, request_id, max(0, since_ms - CLOCK_SKEW_MS))
+                except KafkaException as exc:
+                    self._failed_at = time.monotonic()
+                    log.warning("could not read back %s[%d] for the first answer to a copy (%s); running it, "
+                                "and the copies of the next %.0f s without looking", topic, partition,
+                                exc.args[0], COOL_DOWN_S)
+                    answer = None
         if answer is None:
             self.missed += 1
         else:

@@ -177,3 +177,22 @@ def test_exactly_once_a_redelivered_copy_of_an_id_this_worker_answered_is_not_an
     worker.dispatch()
     assert list(worker.checkpoint.ready[tp]) == [0] and reader.asked == []
     assert dict(worker.checkpoint.tracker.to_commit()).get(tp) == 2
+
+
+def test_after_a_read_back_the_broker_could_not_answer_copies_run_without_waiting_for_another():
+    from confluent_kafka import KafkaError, KafkaException
+
+    from pipeline.config import Settings
+    from pipeline.worker.earlier_answers import EarlierAnswers
+
+    reader = EarlierAnswers(Settings.load(env={}), "w", CODEC.decode_response, lambda topic: 3, 1000)
+    scans = []
+
+    def scan(*args):
+        scans.append(args)
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
+
+    reader._scan = scan
+    assert reader.find("llm.responses", 0, "id-1", 0) is None
+    assert reader.find("llm.responses", 0, "id-2", 0) is None
+    assert len(scans) == 1 and reader.missed == 2
