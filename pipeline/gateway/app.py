@@ -204,7 +204,7 @@ class Gateway:
             async def admit(stream):
                 async for event in stream.noack().events():
                     msg = event.message
-                    if not await gateway.settled_and_fresh(msg):
+                    if not gateway.fresh(msg):
                         event.ack()
                         continue
                     tp = RequestPartition(msg.topic, msg.partition)
@@ -219,7 +219,7 @@ class Gateway:
         @app.agent(self.finished_in, name="completions")
         async def completions(stream):
             async for event in stream.noack().events():
-                if not await gateway.settled_and_fresh(event.message):
+                if not gateway.fresh(event.message):
                     event.ack()
                     continue
                 gateway._maybe_reload()
@@ -310,15 +310,13 @@ class Gateway:
             charged = self.intake.charge_recorded(self.ownership.owns)
             log.info("remembering %d request ids from the tables (%d admissions charged again)", ids, charged)
 
-    async def settled_and_fresh(self, msg) -> bool:
+    def fresh(self, msg) -> bool:
         """At-least-once every record is decided; exactly-once not one delivered again, nor one
-        below its partition's floor, once that is known (transactions.py)."""
+        below its partition's floor, once that is known (transactions.py). An event decided before
+        its floor was read again after a rebalance is filtered out of its round instead."""
         txns = self.transactions
         if txns is None:
             return True
-        waiting = txns.settled(msg.partition)
-        if waiting is not None:
-            await asyncio.wait([waiting])  # never cancels it, nor raises what it raised
         return (txns.fresh(msg.topic, msg.partition, msg.offset)
                 and self.redeliveries.fresh(msg.topic, msg.partition, msg.offset))
 

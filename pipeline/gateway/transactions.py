@@ -175,7 +175,7 @@ class Transactions:
         # committed offsets while this gateway's own round may still be committing past them.
         # So after every assignment each partition's floor is read again (a new one's once its
         # producer started, a kept one's once the round running at the rebalance has ended), and
-        # its events wait for that (:meth:`settled`) before they are decided.
+        # a later round's transaction of that partition waits for it (:meth:`settled`).
         self._floor_tasks: dict[int, asyncio.Future] = {}
         self._floor_after: dict[int, asyncio.Future | None] = {}  # the round a kept partition's floor waits for
         self._round: asyncio.Future | None = None  # the round committing now
@@ -242,8 +242,7 @@ class Transactions:
                 await asyncio.sleep(retry_s)
 
     def settled(self, partition: int) -> asyncio.Future | None:
-        """What an event of ``partition`` waits for before it is decided (its floor being read
-        after the last assignment), or None."""
+        """The floor of ``partition`` being read again after the last assignment, or None."""
         task = self._floor_tasks.get(partition)
         return None if task is None or task.done() else task
 
