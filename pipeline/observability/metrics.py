@@ -17,13 +17,17 @@ and alert rules (Strimzi) work unchanged; see :mod:`pipeline.observability.lag`.
 
 from __future__ import annotations
 
+import json
 import math
+import threading
 from bisect import bisect_left
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from collections import Counter as _Counts
 
 from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import make_wsgi_app
 
 from pipeline.errors import ConfigError
 from pipeline.models import BANDS, Priority
@@ -198,6 +202,15 @@ class _Collector:
             yield s.family()
 
 
+def health_series() -> tuple[Counter, Counter]:
+    """``llmq_health_recoveries_total{cause}`` and ``llmq_health_stalls_total{cause}``: what every
+    process with a progress watch (pipeline/observability/health.py) counts."""
+    return (Counter("llmq_health_recoveries", "Stalls this process recovered from through a public API (a "
+                                              "partition sought again, a new session), by cause.", ["cause"]),
+            Counter("llmq_health_stalls", "Stalls this process did not recover from, by cause: it stopped being "
+                                          "live and exited for its supervisor to restart it.", ["cause"]))
+
+
 class WorkerMetrics:
     """What a worker process exports."""
 
@@ -252,10 +265,12 @@ class WorkerMetrics:
         self.fairness = Gauge("llmq_worker_fairness_jain_index",
                               "Jain's index of the waiting tenants' fair-share ratios in the band, last minute "
                               "(1 = each got its weighted share).", ["pool", "priority"])
+        self.health_recoveries, self.health_stalls = health_series()
         self.registry.register(_Collector([
             self.requests, self.rejections, self.queue_wait, self.duration, self.tenant_wait, self.inflight,
             self.tokens, self.last_commit, self.rebalances, self.dead_letters, self.up, self.preemptions,
-            self.duplicates, self.ttft, self.inter_token, self.served_tokens, self.fair_share, self.fairness]))
+            self.duplicates, self.ttft, self.inter_token, self.served_tokens, self.fair_share, self.fairness,
+            self.health_recoveries, self.health_stalls]))
         self.share_windows = [FairShareWindow() for _ in BANDS]
         self.inflight_child = self.inflight.labels(pool)
         self.inflight_child.set(0)
@@ -407,6 +422,7 @@ class GatewayMetrics:
         self.shadow_disagreements = Counter("llmq_gateway_shadow_disagreements",
                                             "Requests on which the shadow policy and the real one decide "
                                             "differently, by the real decision and the shadow's.", ["real", "shadow"])
+        self.health_recoveries, self.health_stalls = health_series()
         self._fair: dict[str, FairnessWindow] = {}
         # Admissions and degradations exist at 0 per band from the start, so the first scrape is a
         # baseline and rate() sees the first requests, not only the ones after them.
@@ -416,7 +432,8 @@ class GatewayMetrics:
         self.registry.register(_Collector([
             self.requests, self.rejections, self.dead_letters, self.degraded, self.reprioritised, self.finished,
             self.depth, self.cap, self.eta, self.drain, self.capacity, self.arrival, self.load, self.fairness,
-            self.fairness_tenants, self.shadow, self.shadow_disagreements]))
+            self.fairness_tenants, self.shadow, self.shadow_disagreements, self.health_recoveries,
+            self.health_stalls]))
 
     def outcome(self, priority: str, outcome: str, n: int = 1) -> None:
         self.requests.labels(priority, outcome).value += n
@@ -457,13 +474,44 @@ class GatewayMetrics:
                 self.fairness_tenants.labels(band).set(window.tenants)
 
 
-def serve(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1"):
-    """Serve ``registry`` on http://addr:port/metrics in a daemon thread; port 0 = don't."""
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 (the base class's name): scrapes are not log lines
+        pass
+
+
+def health_app(registry: CollectorRegistry, health=None):
+    """A WSGI app: ``/healthz`` and ``/readyz`` from ``health`` (a
+    :class:`~pipeline.observability.health.Health`), everything else prometheus_client's exposition
+    of ``registry`` (as its own server serves it)."""
+    metrics_app = make_wsgi_app(registry)
+    kinds = {"/healthz": "live", "/readyz": "ready"}
+
+    def app(environ, start_response):
+        kind = kinds.get(environ.get("PATH_INFO", ""))
+        if kind is None or health is None:
+            return metrics_app(environ, start_response)
+        code, doc = health.answer(kind)
+        body = json.dumps(doc, separators=(",", ":")).encode()
+        start_response("200 OK" if code == 200 else f"{code} Service Unavailable",
+                       [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
+
+
+def serve(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1", health=None):
+    """Serve ``registry`` on http://addr:port/metrics, and ``health`` on /healthz and /readyz, in a
+    daemon thread; port 0 = don't."""
     if not port:
         return None
     try:
-        server, _thread = start_http_server(port, addr=addr, registry=registry)
+        server = make_server(addr, port, health_app(registry, health), _ThreadingServer, handler_class=_QuietHandler)
     except OSError as exc:
         raise ConfigError("metrics_port", f"cannot serve metrics on {addr}:{port} ({exc.strerror}); "
                                           "pick another --metrics-port, or 0 to turn metrics off") from None
+    threading.Thread(target=server.serve_forever, name="llmq-metrics-http", daemon=True).start()
     return server
