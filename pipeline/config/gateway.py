@@ -188,6 +188,12 @@ class GatewaySettings:
     #: and the compose file allow 1 s); a gateway asking for less joins with the broker's minimum
     #: and says so (gateway/membership.py).
     session_timeout_ms: int = 3_000
+    #: Liveness (GET /healthz): a request or response partition with records waiting and no
+    #: event consumed from it for this long is stalled. The gateway seeks it to its position once
+    #: (Faust's consumer), and if it is still stalled this much later, exits for its supervisor to
+    #: restart it (aiokafka's fetcher can stop after a node dies while the group heartbeats on;
+    #: pipeline/gateway/stall_watch.py). 0 = no progress watch.
+    stall_s: float = 30.0
     #: Static group membership (group.instance.id), e.g. the pod name of a StatefulSet: a
     #: gateway restarted under the same id within session_timeout_ms takes its partitions
     #: back at once. One that stops for good keeps its partitions until the session times out.
@@ -280,6 +286,8 @@ class GatewaySettings:
             raise ConfigError("gateway.fetch_min_bytes", f"must be from 1 to 52428800, got {self.fetch_min_bytes!r}")
         if not 1 <= self.fetch_max_wait_ms <= 30_000:
             raise ConfigError("gateway.fetch_max_wait_ms", f"must be from 1 to 30000, got {self.fetch_max_wait_ms!r}")
+        if self.stall_s < 0:
+            raise ConfigError("gateway.stall_s", f"must be >= 0 (0 = no progress watch), got {self.stall_s!r}")
         if self.session_timeout_ms < 1_000:
             raise ConfigError("gateway.session_timeout_ms", f"must be >= 1000, got {self.session_timeout_ms!r}")
         if self.instance_id and (len(self.instance_id) > 249 or not self.instance_id.isprintable()):

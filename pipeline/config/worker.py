@@ -86,6 +86,12 @@ class WorkerSettings:
     #: statistics) has not been up for this long is replaced: a new session, new clients, from
     #: the committed offsets (pipeline/worker/coordinator_watch.py). 0 = never.
     coordinator_stall_ms: int = 30_000
+    #: Liveness (GET /healthz on metrics_port): an assigned partition with records waiting, not
+    #: paused for backpressure, and nothing consumed from it for this long is stalled; so is a
+    #: loop that has not turned for this long. A stall starts a new session (new clients, from the
+    #: committed offsets); one that outlasts it stops the process for its supervisor to restart.
+    #: 0 = no progress watch.
+    stall_s: float = 60.0
     #: Consumer group protocol. "consumer" (KIP-848, brokers >= Kafka 4.0): the broker assigns
     #: partitions, incrementally, with group_remote_assignor. "classic" (older brokers):
     #: cooperative-sticky, which balances only the number of partitions per worker, so a worker
@@ -195,6 +201,7 @@ class WorkerSettings:
                     "coordinator_stall_ms", "look_back_max_records"):
             non_negative(f"worker.{key}", getattr(self, key))
         non_negative("worker.producer_linger_ms", self.producer_linger_ms)
+        non_negative("worker.stall_s", self.stall_s)
         shares = {}
         for band, share in self.band_min_share.items():
             if band not in Priority.__members__:

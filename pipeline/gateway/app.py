@@ -33,12 +33,14 @@ import faust
 from faust.transport.utils import DefaultSchedulingStrategy
 
 from pipeline.cancellations import CancellationView
+from pipeline.catalog.store import ModelStore
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, LlmqError
 from pipeline.gateway import faust_compat
 from pipeline.gateway.checkpoint import DecisionCheckpoint
 from pipeline.gateway.completions import Completions
 from pipeline.gateway.depths import DispatchDepths, Reading
+from pipeline.gateway.health import GatewayHealth
 from pipeline.gateway.intake import Intake
 from pipeline.gateway.membership import broker_session_bounds, choose_session_ms, heartbeat_ms
 from pipeline.gateway.outputs import Outputs
@@ -46,9 +48,11 @@ from pipeline.gateway.partitions import Ownership, partitioner
 from pipeline.gateway.positions import (HoleReader, ReadPositions, RequestPartition, committed_of_partition,
                                         committed_or_start)
 from pipeline.gateway.seen import SeenDecisions
+from pipeline.gateway.stall_watch import EndOffsets, StallWatch
 from pipeline.gateway.tenant_states import TenantStates
 from pipeline.gateway.transactions import Redeliveries, Transactions
 from pipeline.models import BANDS, Priority, now_ms
+from pipeline.observability.health import Events
 from pipeline.observability.metrics import GatewayMetrics
 from pipeline.partitioning import tenant_partition
 from pipeline.policy.admission import Admission, DegradePolicy, RateLimits
@@ -152,6 +156,8 @@ class Gateway:
         # Who a tenant is (tier, highest band, models, signatures) and its own limits and caps:
         # read live from the registry topic; the config's per-tenant tables still win.
         self.registry = TenantRegistry(settings)
+        # Which models the pools serve (pipeline/catalog/): a model none serves is refused here.
+        self.models = ModelStore(settings)
         self.admission = self._admission(g, self.queues)
         shadowed = g.shadow_policy()
         self.shadow = None
@@ -189,6 +195,15 @@ class Gateway:
                              authorize=self.registry.authorize, shadow=self.shadow, **common)
         self.completions = Completions(partitions=t.request_partitions, receipts=t.receipts, **common)
         self.depths = DispatchDepths(settings, self._reading, interval_s=g.depth_refresh_ms / 1000.0)
+        self.stall_watch: StallWatch | None = None
+        if g.stall_s:
+            read = {*self.request_ranks, t.responses, t.receipts}
+            self.stall_watch = StallWatch(
+                self.app, read, g.stall_s, None, Events(self.metrics.health_recoveries, self.metrics.health_stalls),
+                give_up=lambda detail: self.health.give_up(detail))
+            self.stall_watch.ends = EndOffsets(settings, self.stall_watch.ended, read_committed=exactly_once,
+                                               interval_s=self.stall_watch.interval_s)
+        self.health = GatewayHealth(self)
         self._wire()
 
     # -- the app's parts ------------------------------------------------------------------
@@ -204,6 +219,8 @@ class Gateway:
             async def admit(stream):
                 async for event in stream.noack().events():
                     msg = event.message
+                    if gateway.stall_watch is not None:
+                        gateway.stall_watch.consumed(msg.topic, msg.partition)
                     if not gateway.fresh(msg):
                         event.ack()
                         continue
@@ -219,6 +236,8 @@ class Gateway:
         @app.agent(self.finished_in, name="completions")
         async def completions(stream):
             async for event in stream.noack().events():
+                if gateway.stall_watch is not None:
+                    gateway.stall_watch.consumed(event.message.topic, event.message.partition)
                 if not gateway.fresh(event.message):
                     event.ack()
                     continue
@@ -230,12 +249,21 @@ class Gateway:
             if gateway.outputs is not None:
                 gateway.outputs.start(asyncio.get_running_loop())
             gateway.depths.start()
+            if gateway.stall_watch is not None:
+                gateway.stall_watch.start(asyncio.get_running_loop())
             await gateway.checkpoint.run()
 
         app.timer(0.2, on_leader=False)(self._poll_cancellations)
         app.timer(_SWEEP_S, on_leader=False)(self._sweep)
         if self.recovery_watch is not None:
             app.timer(1.0, on_leader=False)(self.recovery_watch.check)
+        if self.stall_watch is not None:
+            app.timer(self.stall_watch.interval_s, on_leader=False)(self.stall_watch.check)
+
+        async def health_tick() -> None:
+            gateway.health.tick()
+
+        app.timer(1.0, on_leader=False)(health_tick)
 
         async def assigned(sender, assigned, **kwargs):
             request_topics = set(gateway.request_ranks)
@@ -253,7 +281,10 @@ class Gateway:
         async def close_outputs(sender, **kwargs):
             gateway._stopping = True
             gateway.depths.stop()
+            if gateway.stall_watch is not None:
+                gateway.stall_watch.stop()
             gateway.registry.stop()
+            gateway.models.stop()
             await gateway.checkpoint.round(final=True)
             if gateway.outputs is not None:
                 gateway.outputs.close()
@@ -272,6 +303,14 @@ class Gateway:
 
         app.page("/v1/queue")(queue_view)
         app.page("/metrics")(metrics_view)
+        async def healthz_view(view, request):
+            return await gateway.health.healthz(view, request)
+
+        async def readyz_view(view, request):
+            return await gateway.health.readyz(view, request)
+
+        app.page("/healthz")(healthz_view)
+        app.page("/readyz")(readyz_view)
 
     def _admission(self, g, queues) -> Admission:
         """The admission policy of settings ``g`` (the real one, or the shadow's), over ``queues``."""
@@ -287,7 +326,7 @@ class Gateway:
             DegradePolicy(load=g.degrade_load, downgrade=dict(g.downgrade), simple_prompt_tokens=g.simple_prompt_tokens,
                           simple_max_tokens=g.simple_max_tokens),
             max_timeout_ms=g.max_timeout_ms, topics_prefix=self.settings.topics.prefix, early_expiry=g.early_expiry,
-            max_delay_ms=g.rate_limit_max_delay_ms, reorder_ms=g.rate_limit_reorder_ms)
+            max_delay_ms=g.rate_limit_max_delay_ms, reorder_ms=g.rate_limit_reorder_ms, models=self.models.catalog)
 
     def _registered_limits(self, tenant: str):
         record = self.registry.get(tenant)
@@ -414,14 +453,20 @@ class Gateway:
         self.join_within_broker_bounds()
         # Before the first request: a tenant is never decided on without its record.
         self.registry.start(wait_s=30.0)
+        self.models.start(wait_s=30.0)
         worker = _GatewayWorker(self.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+        worker.health = self.health
         worker.execute_from_commandline()
 
 
 class _GatewayWorker(faust.Worker):
+    health: GatewayHealth | None = None
+
     async def on_startup_finished(self) -> None:
         await super().on_startup_finished()
         freeze_long_lived("gateway")  # tables are recovered by now
+        if self.health is not None:
+            self.health.started = True
 
 
 def _credentials(settings: Settings):

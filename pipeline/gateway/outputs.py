@@ -64,6 +64,8 @@ class Outputs:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_failure = on_failure
         self.failed: list[str] = []
+        #: Outputs the broker acknowledged so far (the progress watch's measure of this producer).
+        self.delivered_total = 0
         # Delivered outputs, handed to the event loop once per poll: waking the loop for each
         # one costs it a system call per output.
         self._delivered: deque[Done] = deque()
@@ -79,6 +81,7 @@ class Outputs:
         """Produce ``output``; ``done`` counts it delivered when the broker acknowledges it."""
         def delivered(err, msg) -> None:  # on the delivery thread, inside poll()
             if err is None:
+                self.delivered_total += 1
                 self._delivered.append(done)
             else:
                 self._call(self._refused, f"{msg.topic()}: {err.str()}")

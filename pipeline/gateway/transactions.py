@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -161,6 +162,8 @@ class Transactions:
         # aborted, and Faust may hand over the partition's records meanwhile.
         self._starting: dict[int, asyncio.Task] = {}
         self.committed = 0  # transactions committed (for tests and logs)
+        #: Partition number → when its open transaction began (monotonic): the progress watch's.
+        self.open_since: dict[int, float] = {}
         self.failed: list[str] = []
         # The previous owner's last transaction may have been committing when this gateway read
         # the group's offsets at assignment (aiokafka's offset fetch cannot ask for stable
@@ -345,6 +348,7 @@ class Transactions:
         if not work.outputs:
             return  # all committed by the previous owner already
         await producer.begin_transaction()
+        self.open_since[work.partition] = time.monotonic()
         try:
             sent = []
             for _, out in work.outputs:
@@ -375,6 +379,8 @@ class Transactions:
                     asyncio.ensure_future(_quiet_stop(producer))
                 raise Superseded(work.partition) from exc
             raise
+        finally:
+            self.open_since.pop(work.partition, None)
 
 
     def _above_floor(self, work: PartitionWork) -> PartitionWork:
