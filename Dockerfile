@@ -5,14 +5,14 @@ FROM python:3.11-slim
 RUN groupadd --system --gid 10001 llmq \
     && useradd --system --uid 10001 --gid llmq --home-dir /app --no-create-home --shell /usr/sbin/nologin llmq
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY pipeline ./pipeline
+# The Avro schemas ship inside the package (pipeline._schemas), found without LLMQ_SCHEMAS_DIR.
+COPY schemas ./schemas
 RUN pip install --no-cache-dir . && rm -rf /src
 
 WORKDIR /app
-COPY schemas ./schemas
 # The gateway keeps its table state under .llmq/ in its working directory.
 RUN mkdir .llmq && chown llmq:llmq .llmq
-ENV LLMQ_SCHEMAS_DIR=/app/schemas
 USER 10001:10001
 ENTRYPOINT []

@@ -1,7 +1,7 @@
 """The published Avro schemas: every revision ever written, indexed by fingerprint.
 
-Layout of the schema directory (repo root ``schemas/`` by default, or the directory
-named by the environment variable ``LLMQ_SCHEMAS_DIR``)::
+Layout of the schema directory (the schemas installed with llmq by default, or the
+directory named by the environment variable ``LLMQ_SCHEMAS_DIR``)::
 
     schemas/
       llm_request.avsc            the current revision (what producers write)
@@ -10,6 +10,10 @@ named by the environment variable ``LLMQ_SCHEMAS_DIR``)::
       history/llm_request.1.avsc  every revision ever published, numbered from 1
       history/llm_request.2.avsc
       ...
+
+The repository's top-level ``schemas/`` is the one copy: setup.py and pyproject.toml ship it as the
+package ``pipeline._schemas``, found through :mod:`importlib.resources`, so a wheel
+installed anywhere and an editable checkout read the same files.
 
 A record written with any published revision can be decoded: its single-object header
 names the writer revision by fingerprint, and fastavro resolves it to the current
@@ -42,6 +46,8 @@ import os
 import re
 import threading
 from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -63,6 +69,9 @@ __all__ = [
 
 #: Environment variable that overrides the default schema directory.
 SCHEMAS_DIR_ENV = "LLMQ_SCHEMAS_DIR"
+
+#: The package the schemas ship in (pyproject.toml maps the top-level schemas/ to it).
+SCHEMAS_PACKAGE = "pipeline._schemas"
 
 _HISTORY_FILE = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)\.(?P<revision>[0-9]+)\.avsc$")
 _CURRENT_FILE = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)\.avsc$")
@@ -265,7 +274,7 @@ def _label(name: str, revision: int | None) -> str:
     return f"{name} revision {revision}" if revision is not None else f"the current {name} schema"
 
 
-def _read_schema_file(path: Path, name: str, revision: int | None) -> SchemaRevision:
+def _read_schema_file(path: Traversable, name: str, revision: int | None) -> SchemaRevision:
     label = _label(name, revision)
     try:
         text = path.read_text(encoding="utf-8")
@@ -286,7 +295,8 @@ class SchemaStore:
     Names are the file stems (``llm_request``, ``llm_response``, ``llm_chunk``).
     """
 
-    def __init__(self, revisions: Iterable[SchemaRevision], current: Mapping[str, SchemaRevision], directory: Path | None = None):
+    def __init__(self, revisions: Iterable[SchemaRevision], current: Mapping[str, SchemaRevision],
+                 directory: Traversable | None = None):
         self.directory = directory
         self._by_name: dict[str, list[SchemaRevision]] = {}
         self._by_fingerprint: dict[bytes, SchemaRevision] = {}
@@ -306,15 +316,26 @@ class SchemaStore:
     # -- loading ---------------------------------------------------------------
 
     @staticmethod
-    def default_directory() -> Path:
-        """``$LLMQ_SCHEMAS_DIR`` if set, else the repository's ``schemas/``."""
+    def default_directory() -> Traversable:
+        """``$LLMQ_SCHEMAS_DIR`` if set, else the schemas installed with llmq (package
+        ``pipeline._schemas``: a plain directory, a :class:`~pathlib.Path`, unless llmq
+        is imported from a zip)."""
         env = os.environ.get(SCHEMAS_DIR_ENV)
         if env:
             return Path(env)
-        return Path(__file__).resolve().parents[2] / "schemas"
+        try:
+            return resources.files(SCHEMAS_PACKAGE)
+        except ModuleNotFoundError:
+            # An editable install made before the schemas became a package, or a checkout put on
+            # sys.path without installing it.
+            raise SchemaLoadError(
+                f"the schemas are not installed with llmq (no package {SCHEMAS_PACKAGE}): reinstall llmq "
+                f"(in a checkout: pip install -e .), or name the schema directory in ${SCHEMAS_DIR_ENV}"
+            ) from None
 
     @classmethod
-    def load(cls, directory: str | os.PathLike[str] | None = None, *, allow_older_current: bool = False) -> SchemaStore:
+    def load(cls, directory: str | os.PathLike[str] | Traversable | None = None, *,
+             allow_older_current: bool = False) -> SchemaStore:
         """Load ``directory`` (default: :meth:`default_directory`).
 
         Each current ``<name>.avsc`` must be identical (as JSON) to the newest
@@ -323,21 +344,26 @@ class SchemaStore:
         current schema equal to any published revision (a reader pinned to an older
         revision, as an older deployment would be).
         """
-        root = Path(directory) if directory is not None else cls.default_directory()
+        if directory is None:
+            root = cls.default_directory()
+        elif isinstance(directory, (str, os.PathLike)):
+            root = Path(directory)
+        else:
+            root = directory
         history_dir = root / "history"
         if not history_dir.is_dir():
             raise SchemaLoadError(
                 f"the schema directory has no history directory (the schema directory is ${SCHEMAS_DIR_ENV}, "
-                "else the repository's schemas directory)"
+                "else the schemas installed with llmq)"
             )
 
-        found: dict[str, dict[int, Path]] = {}
+        found: dict[str, dict[int, Traversable]] = {}
         try:
-            listing = sorted(history_dir.iterdir())
+            listing = sorted(history_dir.iterdir(), key=lambda p: p.name)
         except OSError as exc:  # its str() names the path
             raise SchemaLoadError(f"cannot list the history directory: {exc.strerror or type(exc).__name__}") from None
         for path in listing:
-            if path.suffix != ".avsc":
+            if not path.name.endswith(".avsc"):
                 continue
             match = _HISTORY_FILE.match(path.name)
             if not match:
@@ -360,7 +386,9 @@ class SchemaStore:
             newest[name] = revs[-1]
 
         current: dict[str, SchemaRevision] = {}
-        for path in sorted(root.glob("*.avsc")):
+        # Traversable has no glob(); the current schemas are the .avsc files beside history/.
+        for path in sorted((p for p in root.iterdir() if p.name.endswith(".avsc") and p.is_file()),
+                           key=lambda p: p.name):
             match = _CURRENT_FILE.match(path.name)
             if not match:
                 raise SchemaLoadError(f"schema file {path.name!r}: current schema files must be named <name>.avsc")

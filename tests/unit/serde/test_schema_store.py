@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
+import zipfile
+from importlib import resources
+from pathlib import Path
 
 import pytest
 
 from pipeline.errors import SerdeError
+from pipeline.serde import schema_store
 from pipeline.serde.fingerprint import schema_fingerprint
 from pipeline.serde.schema_store import (
     SCHEMAS_DIR_ENV,
+    SCHEMAS_PACKAGE,
     SchemaLoadError,
     SchemaStore,
     check_schema_bounded,
@@ -83,10 +89,38 @@ def test_the_openai_fields_come_last():
     assert [f["name"] for f in response3[len(response2):]] == ["finish_reason", "usage_estimated"]
 
 
-def test_default_directory_is_the_repo_schemas(monkeypatch):
+def test_default_directory_is_the_installed_package_which_is_the_repo_schemas(monkeypatch):
     monkeypatch.delenv(SCHEMAS_DIR_ENV, raising=False)
-    assert SchemaStore.default_directory() == SCHEMAS_DIR
+    # pyproject.toml maps schemas/ to pipeline._schemas: an editable install finds the checkout's
+    # one copy through importlib.resources (a wheel carries it; tests/integration/test_wheel.py)
+    assert SchemaStore.default_directory() == resources.files(SCHEMAS_PACKAGE) == SCHEMAS_DIR
     assert SchemaStore.load().directory == SCHEMAS_DIR
+
+
+def test_schemas_load_from_a_package_inside_a_zip(tmp_path, monkeypatch):
+    # A Traversable that is no Path (zipimport): listing and reading go through importlib.resources
+    archive = tmp_path / "packed.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("packed_llmq_schemas/__init__.py", "")
+        for path in sorted(SCHEMAS_DIR.rglob("*.avsc")):
+            z.write(path, f"packed_llmq_schemas/{path.relative_to(SCHEMAS_DIR).as_posix()}")
+    monkeypatch.syspath_prepend(str(archive))
+    monkeypatch.delitem(sys.modules, "packed_llmq_schemas", raising=False)  # undone: the import is dropped
+    packed = resources.files("packed_llmq_schemas")
+    assert not isinstance(packed, Path)
+    loaded, reference = SchemaStore.load(packed), SchemaStore.load(SCHEMAS_DIR)
+    assert loaded.names() == reference.names()
+    for name in reference.names():
+        assert [r.fingerprint for r in loaded.revisions(name)] == [r.fingerprint for r in reference.revisions(name)]
+        assert loaded.current_revision(name).fingerprint == reference.current_revision(name).fingerprint
+
+
+def test_schemas_not_installed_is_a_clear_error_without_paths(monkeypatch):
+    monkeypatch.delenv(SCHEMAS_DIR_ENV, raising=False)
+    monkeypatch.setattr(schema_store, "SCHEMAS_PACKAGE", "pipeline._no_such_schemas")
+    with pytest.raises(SchemaLoadError, match=r"not installed with llmq .*pip install -e \.\).*LLMQ_SCHEMAS_DIR") as err:
+        SchemaStore.load()
+    assert "/" not in str(err.value)  # it names the package, not where llmq is installed
 
 
 def test_env_overrides_the_directory(tmp_path, monkeypatch):
