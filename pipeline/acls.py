@@ -5,14 +5,15 @@
 | producer    | write the request topics                                                     |
 | consumer    | read the response and chunk topics (the SDK assigns partitions: no group)    |
 | client      | producer + consumer (an upstream service that submits and awaits)            |
-| serve       | client + write cancellations + read the tenant registry + the Batch API's    |
-|             | files and batches topics and group (``llmq serve``)                          |
+| serve       | client + write cancellations + read the tenant registry and model catalog    |
+|             | + the Batch API's files and batches topics and group (``llmq serve``)        |
 | tenants     | read and write the tenant registry (``llmq tenants set``)                    |
 | worker      | read request/dispatch/cancellation topics; write responses, chunks, receipts,|
-|             | reply topics and dead letters; its groups (llmq-workers, llmq-pool-*; their  |
-|             | session configs under the consumer group protocol); its transactional ids    |
-| gateway     | read requests/responses/receipts/cancellations/the registry; write dispatch, |
-|             | responses, reply topics, dead letters; its group, changelogs, txn ids        |
+|             | reply topics, dead letters, the model catalog; its groups (llmq-workers,     |
+|             | llmq-pool-*; their session configs under the consumer group protocol); its   |
+|             | transactional ids                                                            |
+| gateway     | read requests/responses/receipts/cancellations/registry/catalog; write       |
+|             | dispatch, responses, reply topics, dead letters; its group, changelogs, txns |
 | lagexporter | describe topics and llmq-* groups (read nothing)                              |
 | tenant.NAME | one tenant's own client: write requests, read only ``<prefix>.replies.NAME`` |
 
@@ -98,6 +99,7 @@ def role_grants(settings: Settings, tenants: list[str] | None = None) -> dict[st
     replies = f"{t.prefix}.replies."
     cancellations = f"{t.prefix}.cancellations"
     registry = settings.tenants.topic(t.prefix)
+    catalog = settings.models.topic(t.prefix)
     producer = [_topic(requests, W, D, prefixed=True), _IDEMPOTENT]
     consumer = [_topic(t.responses, R, D), _topic(t.chunks, R, D)]
     roles = {
@@ -105,7 +107,7 @@ def role_grants(settings: Settings, tenants: list[str] | None = None) -> dict[st
         "consumer": consumer,
         "client": producer + consumer,
         # the Batch API: its files and batches topics, and the group that shares the batches out
-        "serve": producer + consumer + [_topic(cancellations, W, D), _topic(registry, R, D),
+        "serve": producer + consumer + [_topic(cancellations, W, D), _topic(registry, R, D), _topic(catalog, R, D),
                                         _topic(t.files, R, W, D), _topic(t.batches, R, W, D),
                                         _group(settings.batch.group(t.prefix), R)],
         "tenants": [_topic(registry, R, W, D), _IDEMPOTENT],
@@ -113,6 +115,7 @@ def role_grants(settings: Settings, tenants: list[str] | None = None) -> dict[st
             _topic(requests, R, D, prefixed=True), _topic(dispatch, R, D, prefixed=True),
             _topic(cancellations, R, D), _topic(t.responses, W, D), _topic(t.dlq, W, D),
             _topic(t.chunks, W, D), _topic(t.receipts, W, D), _topic(replies, W, D, prefixed=True),
+            _topic(catalog, W, D),  # its servers' model list (pipeline/catalog/)
             # ALTER_CONFIGS: each worker sets its group's session (pipeline.worker.membership).
             _group(settings.worker.group_id, R, _GC), _group("llmq-pool-", R, _GC, prefixed=True),
             _txn("llmq-worker-"),
@@ -121,7 +124,7 @@ def role_grants(settings: Settings, tenants: list[str] | None = None) -> dict[st
         "gateway": [
             _topic(requests, R, D, prefixed=True), _topic(dispatch, W, D, prefixed=True),
             _topic(t.responses, R, W, D), _topic(t.receipts, R, D), _topic(t.dlq, W, D), _topic(cancellations, R, D),
-            _topic(replies, W, D, prefixed=True), _topic(registry, R, D),
+            _topic(replies, W, D, prefixed=True), _topic(registry, R, D), _topic(catalog, R, D),
             # Faust's group and its internal topics (table changelogs, the assignor's topic)
             # are named after the app id.
             _group(settings.gateway.app_id, R, D, prefixed=True),

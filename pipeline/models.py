@@ -236,12 +236,15 @@ class Request:
         prompt: str | None = None,
         *,
         priority: Priority | str = Priority.NORMAL,
-        model: str = "sim-small",
+        model: str = "",
         max_tokens: int = 256,
         timeout_ms: int = 60_000,
         **optional: Any,
     ) -> Request:
         """A fresh request with a random UUID4 ``request_id`` and ``created_at`` = now.
+
+        ``model`` "" runs on the default model: ``models.default``, else the first model the
+        servers list (pipeline/catalog/); the answer names the model that ran.
 
         ``optional`` takes any other field (``user_tier``, ``task_tier``,
         ``allow_degrade``, ``notify_queued``, ``trace_id``, ``metadata``, the

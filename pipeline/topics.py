@@ -56,12 +56,20 @@ def pipeline_topics(settings: Settings) -> list[TopicSpec]:
                            "completion receipts"))
     specs += [TopicSpec(name, t.batch_partitions, t.replication_factor, dict(t.batch_config), role)
               for name, role in ((t.files, "batch files"), (t.batches, "batches"))]
+    specs.append(model_catalog_topic(settings))
     if t.replication_factor > 1:
         # Set on the topic, not left to the broker's default: acks=all then means what the
         # settings say on any cluster.
         isr = {"min.insync.replicas": str(t.min_isr)}
         specs = [TopicSpec(s.name, s.partitions, s.replication_factor, {**isr, **s.config}, s.role) for s in specs]
     return specs
+
+
+def model_catalog_topic(settings: Settings) -> TopicSpec:
+    """The pools' model lists (pipeline/catalog/): one small record per pool, compacted."""
+    t = settings.topics
+    return TopicSpec(settings.models.topic(t.prefix), 1, t.replication_factor,
+                     {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"}, "model catalog")
 
 
 def ensure_topics(admin: AdminClient, specs: list[TopicSpec], timeout: float = 30.0) -> TopicReport:

@@ -30,6 +30,7 @@ from pipeline.config.broker import DEFAULT_JVM_OPTIONS, BrokerSettings
 from pipeline.config.fields import set_field
 from pipeline.config.gateway import GatewaySettings
 from pipeline.config.kafka import DEFAULT_BOOTSTRAP, KafkaSettings
+from pipeline.config.models import ModelSettings
 from pipeline.config.serde import SerdeSettings
 from pipeline.config.serve import ServeSettings
 from pipeline.config.tenants import TenantSettings
@@ -38,7 +39,7 @@ from pipeline.config.worker import WorkerSettings
 from pipeline.errors import ConfigError
 
 __all__ = ["DEFAULT_BOOTSTRAP", "DEFAULT_JVM_OPTIONS", "DEFAULT_POOLS", "BatchSettings", "BrokerSettings", "GatewaySettings",
-           "KafkaSettings", "SerdeSettings", "ServeSettings", "Settings", "TenantSettings", "TopicSettings",
+           "KafkaSettings", "ModelSettings", "SerdeSettings", "ServeSettings", "Settings", "TenantSettings", "TopicSettings",
            "WorkerSettings"]
 
 
@@ -53,6 +54,7 @@ class Settings:
     tenants: TenantSettings = field(default_factory=TenantSettings)
     serve: ServeSettings = field(default_factory=ServeSettings)
     batch: BatchSettings = field(default_factory=BatchSettings)
+    models: ModelSettings = field(default_factory=ModelSettings)
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> "Settings":
@@ -111,5 +113,5 @@ class Settings:
 
     def validate(self) -> None:
         for section in (self.kafka, self.topics, self.serde, self.worker, self.gateway, self.broker, self.tenants,
-                        self.serve, self.batch):
+                        self.serve, self.batch, self.models):
             section.validate()

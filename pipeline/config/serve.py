@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pipeline.config.fields import positive
 from pipeline.errors import ConfigError
@@ -62,8 +62,6 @@ class ServeSettings:
     max_inflight: int = 10_000
     #: Largest request body accepted.
     max_body_bytes: int = 4 * 1024 * 1024
-    #: GET /v1/models for a tenant the registry allows every model: these.
-    models: list[str] = field(default_factory=lambda: ["sim-small", "sim-large"])
     #: POST /v1/requests: how long (and how many) answers are kept for GET /v1/requests/{id}.
     result_ttl_s: float = 3_600.0
     result_max: int = 100_000

@@ -247,8 +247,10 @@ class Intake:
         instead of running it again."""
         req.admitted_at = admitted_at
         req.effective_priority = band
+        if model:  # degraded, or the default of a request that named none
+            req.model = model
         if degraded_from is not None:
-            req.model, req.degraded_from = model, degraded_from
+            req.degraded_from = degraded_from
         topic = self.dispatch[band]
         # Shaped by a rate limit: workers hold it until then (pipeline/worker/scheduler.py).
         headers = [(NOT_BEFORE_HEADER, b"%d" % not_before_ms)] if not_before_ms else None

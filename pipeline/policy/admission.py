@@ -4,6 +4,8 @@ For each request, in order (the first that says no decides; nothing is charged f
 that is not admitted):
 
 1. validation                          → REJECTED invalid_request
+   the model: one no pool serves (the model catalog, once it knows)
+                                       → REJECTED model_not_found; none named → the default
 2. already cancelled                   → CANCELLED
 3. deadline passed (the client's timeout, capped at the server's max)
                                        → EXPIRED
@@ -31,6 +33,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
+from pipeline.catalog.catalog import ModelCatalog
 from pipeline.models import Priority, Request
 from pipeline.policy import ratelimit
 from pipeline.policy.fairness import FairnessQuotas
@@ -98,8 +101,11 @@ class RateLimits:
 class Admission:
     def __init__(self, priority: PriorityPolicy, limits: RateLimits, quotas: FairnessQuotas, queues: QueueModel,
                  degrade: DegradePolicy, *, max_timeout_ms: int = 600_000, topics_prefix: str | None = None,
-                 early_expiry: bool = True, max_delay_ms: int = 30_000, reorder_ms: int = 10_000):
+                 early_expiry: bool = True, max_delay_ms: int = 30_000, reorder_ms: int = 10_000,
+                 models: Callable[[], ModelCatalog] | None = None):
         self.priority = priority
+        #: The model catalog's current snapshot (None: no model is refused, none named stays so).
+        self.models = models
         #: A request read at most this long after a later arrival of its tenant is judged at its own
         #: arrival (the limits hold exactly over intervals of arrivals); an older one at the buckets'
         #: clock, so that a long backlog is not refused for charges made after it arrived.
@@ -128,6 +134,13 @@ class Admission:
         problem = validate_request(req, now_ms, self.topics_prefix)
         if problem is not None:
             return Decision(Action.REJECT, problem)
+        model = req.model
+        if self.models is not None:
+            catalog = self.models()
+            model = model or catalog.default(now_ms)
+            problem = catalog.refusal(model, now_ms)
+            if problem is not None:
+                return Decision(Action.REJECT, problem)
         if cancelled:
             return Decision(Action.CANCEL, "cancelled: cancelled by the client before dispatch")
         left = self.deadline_ms(req) - now_ms
@@ -167,7 +180,7 @@ class Admission:
             return Decision(Action.EXPIRE, f"expired: deadline cannot be met (queue wait at least "
                                            f"{verdict.eta_floor_ms:.0f} ms, {left} ms left)", band=band)
 
-        model, degraded_from = req.model, None
+        degraded_from = None
         d = self.degrade
         prompt_tokens = estimate_tokens(req.prompt)
         if (d.downgrade and req.allow_degrade and load >= d.load and model in d.downgrade

@@ -170,8 +170,6 @@ def validate_request(req: Request, now_ms: int | None = None, topics_prefix: str
         return f"invalid_request: max_tokens must be <= {MAX_TOKENS_LIMIT} (got {req.max_tokens})"
     if req.timeout_ms <= 0:
         return f"invalid_request: timeout_ms must be > 0 (got {req.timeout_ms})"
-    if not req.model:
-        return "invalid_request: model is empty"
     if _UUID_MATCH(req.request_id) is None:
         return "invalid_request: request_id must be a UUID"
     if req.trace_id is not None and _TRACE_ID.fullmatch(req.trace_id) is None:

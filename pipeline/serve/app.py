@@ -30,6 +30,7 @@ from typing import Mapping
 
 from aiohttp import web
 
+from pipeline.catalog.catalog import ModelCatalog
 from pipeline.errors import EncodeError, KafkaOperationError, LlmqError, RequestTimeoutError
 from pipeline.models import Priority, Request, Response, Status, now_ms
 from pipeline.policy.validation import validate_request
@@ -78,10 +79,12 @@ class RegistrySecrets(Mapping):
 class Server:
     """What the handlers share: settings, registry, the one client, in-flight bookkeeping."""
 
-    def __init__(self, settings, registry, client):
+    def __init__(self, settings, registry, client, models=None):
+        """``models``: what says which models the pools serve (a ModelStore); None: nothing known."""
         self.settings = settings
         self.cfg = settings.serve
         self.registry = registry
+        self.model_store = models
         self.client = client
         self.auth = Authenticator(registry)
         self.results = ResultStore(self.cfg.result_ttl_s, self.cfg.result_max, client.forget)
@@ -126,7 +129,7 @@ class Server:
         """The Request to write for ``parsed``: the caller's tenant and tier, its band capped."""
         asked = headers.get("x-llmq-priority")
         priority = parse_priority(asked, "x-llmq-priority") if asked else parsed.priority or default
-        caller.check_model(parsed.model)
+        parsed.model = self.model_for(caller, parsed.model)
         timeout_ms = self.cfg.default_timeout_ms
         given = headers.get("x-llmq-timeout-ms")
         if given:
@@ -237,15 +240,39 @@ class Server:
         finally:
             self.leave()
 
+    def catalog(self) -> ModelCatalog:
+        return self.model_store.catalog() if self.model_store is not None else ModelCatalog(self.settings.models)
+
+    def listed(self, caller: Caller) -> list[str]:
+        """The models this caller may use that the pools serve (the tenant's own list, while the
+        catalog knows nothing yet)."""
+        catalog, now = self.catalog(), now_ms()
+        names = catalog.names(now) if catalog.known(now) else []
+        allowed = list(caller.record.models)
+        if allowed:
+            return [n for n in names if n in allowed] if names else allowed
+        return names
+
+    def model_for(self, caller: Caller, asked: str) -> str:
+        """The model a request of ``caller`` runs on: ``asked``, or the default when it names none;
+        404 when no pool serves it, 403 when the tenant may not use it."""
+        catalog, now = self.catalog(), now_ms()
+        model = asked or catalog.default(now)
+        refusal = catalog.refusal(model, now)
+        if refusal is not None:
+            raise ApiError(404, refusal.partition(": ")[2], "invalid_request_error", "model_not_found", "model")
+        if model or asked:
+            caller.check_model(model)
+        return model
+
     async def models(self, http: web.Request) -> web.Response:
         caller = self.auth.caller(http.headers)
-        return _json(models_list(list(caller.record.models) or list(self.cfg.models)))
+        return _json(models_list(self.listed(caller)))
 
     async def model(self, http: web.Request) -> web.Response:
         caller = self.auth.caller(http.headers)
         name = http.match_info["model"]
-        known = list(caller.record.models) or list(self.cfg.models)
-        if name not in known:
+        if name not in self.listed(caller):
             raise ApiError(404, f"model {name!r} does not exist or this API key may not use it",
                            "invalid_request_error", "model_not_found", "model")
         return _json(models_list([name])["data"][0])
@@ -254,7 +281,7 @@ class Server:
         caller = self.auth.caller(http.headers)
         body = await self.body(http)
         kind = CHAT if isinstance(body, dict) and "messages" in body else COMPLETION
-        parsed = parse_body(body, kind, self.cfg.default_max_tokens)
+        parsed = parse_body(body, kind, self.cfg.default_max_tokens, model_required=False)
         if parsed.stream:
             raise bad_request("stream is not available for /v1/requests (poll GET /v1/requests/{id})", "stream")
         req = self.request(caller, parsed, http.headers, Priority.BACKGROUND, notify_queued=True)

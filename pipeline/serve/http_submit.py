@@ -22,7 +22,8 @@ def submit_via(url: str, key_file: str | None, prompt: str, *, priority: Priorit
         raise SystemExit("llmq submit: --via needs --key-file FILE (the API key)")
     key = read_key_file(key_file)
     path = "/v1/completions" if wait else "/v1/requests"
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens}).encode()
+    fields = {"model": model} if model else {}  # none: serve's default model
+    body = json.dumps({**fields, "prompt": prompt, "max_tokens": max_tokens}).encode()
     req = urllib.request.Request(url.rstrip("/") + path, data=body, method="POST", headers={
         "Authorization": f"Bearer {key}", "Content-Type": "application/json", "x-llmq-priority": priority.value,
         "x-llmq-timeout-ms": str(int(timeout_s * 1000))})

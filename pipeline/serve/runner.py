@@ -1,6 +1,6 @@
 """``llmq serve`` as a process: start, serve, and stop gracefully on SIGTERM.
 
-Start: the tenant registry (read to its end), the one client (its reply listener assigned to
+Start: the tenant registry and the model catalog (each read to its end), the one client (its reply listener assigned to
 this process's reply partitions), the Batch API's index of files and batches and the driver of
 the batches this process owns (``batch.enabled``), then the HTTP listener. Stop (SIGTERM or SIGINT):
 
@@ -27,6 +27,7 @@ log = logging.getLogger("pipeline.serve")
 
 async def serve(settings, *, ready=None, stop: asyncio.Event | None = None) -> None:
     """Serve until ``stop`` is set (or a SIGTERM/SIGINT); ``ready(host, port)`` once listening."""
+    from pipeline.catalog.store import ModelStore
     from pipeline.client import AsyncLlmqClient
     from pipeline.serve.app import RegistrySecrets
     from pipeline.tenants.registry import TenantRegistry
@@ -35,6 +36,8 @@ async def serve(settings, *, ready=None, stop: asyncio.Event | None = None) -> N
     loop = asyncio.get_running_loop()
     registry = TenantRegistry(settings)
     await loop.run_in_executor(None, registry.start)
+    models = ModelStore(settings)
+    await loop.run_in_executor(None, models.start)
     client = store = driver = None
     try:
         client = await loop.run_in_executor(None, lambda: AsyncLlmqClient(
@@ -42,7 +45,7 @@ async def serve(settings, *, ready=None, stop: asyncio.Event | None = None) -> N
             producer_config={"linger.ms": cfg.producer_linger_ms}))
         if settings.batch.enabled:
             store, driver = await loop.run_in_executor(None, _start_batches, settings, registry)
-        server = Server(settings, registry, client)
+        server = Server(settings, registry, client, models)
         runner = web.AppRunner(build_app(server, store), handler_cancellation=True, shutdown_timeout=1.0,
                                access_log=logging.getLogger("pipeline.serve.access") if cfg.access_log else None)
         await runner.setup()
@@ -69,6 +72,7 @@ async def serve(settings, *, ready=None, stop: asyncio.Event | None = None) -> N
             await loop.run_in_executor(None, store.stop)
         if client is not None:
             await client.close()
+        models.stop()
         registry.stop()
 
 

@@ -21,15 +21,13 @@ the tenant keeps the record it had. ``llmq tenants set`` validates before it wri
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import tomllib
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
-
-from pipeline.errors import ConfigError, KafkaOperationError, LlmqError
+from pipeline.compacted import CompactedTopic
+from pipeline.errors import ConfigError, KafkaOperationError
 from pipeline.models import Request, now_ms
 from pipeline.tenants.keys import hash_key
 from pipeline.tenants.policy import Authorization, TenantPolicy, authorize
@@ -68,10 +66,8 @@ class TenantRegistry:
         self._secrets: dict[str, tuple[float, bytes | None]] = {}
         self._listeners: list[Callable[[], None]] = []
         self._rebuild()
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
+        self._topic = CompactedTopic(settings, self.topic, apply=self.apply, name="tenant registry",
+                                     ensure=self.ensure, client_id="llmq-tenants")
         self.version = 0  # snapshots applied from the topic
 
     # -- reading ---------------------------------------------------------------------------
@@ -144,111 +140,21 @@ class TenantRegistry:
 
     def start(self, wait_s: float = 30.0) -> TenantRegistry:
         """Follow the topic on a thread; returns once what it held at start is applied (or raises)."""
-        if self._thread is not None:
-            return self
-        self._thread = threading.Thread(target=self._run, name="llmq-tenants", daemon=True)
-        self._thread.start()
-        if wait_s and not self._ready.wait(wait_s):
-            if self._error is not None:
-                raise LlmqError(f"tenant registry: {self._error}")
-            raise LlmqError(f"tenant registry: {self.topic} not read to its end within {wait_s:.0f}s")
+        self._topic.start(wait_s)
         return self
 
     def wait_ready(self, timeout: float) -> bool:
-        return self._ready.wait(timeout)
+        return self._topic.wait_ready(timeout)
 
     def stop(self) -> None:
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(5)
-            self._thread = None
+        self._topic.stop()
 
     def publish(self, record: TenantRecord | None, name: str | None = None, timeout: float = 15.0) -> None:
         """Write ``record`` (None: a tombstone for ``name``) to the topic; returns once it is acknowledged."""
         name = record.name if record is not None else name
         if not name:
             raise ValueError("a tombstone needs the tenant's name")
-        producer = Producer(self.settings.kafka.producer_config(**{"client.id": "llmq-tenants", "linger.ms": 0}))
-        errors: list = []
-        producer.produce(self.topic, None if record is None else record.to_json(), name.encode(),
-                         on_delivery=lambda err, msg: errors.append(err))
-        remaining = producer.flush(timeout)
-        if remaining or not errors:
-            raise KafkaOperationError(f"write tenant {name}", f"not acknowledged within {timeout:.0f}s")
-        if errors[0] is not None:
-            raise KafkaOperationError(f"write tenant {name} to {self.topic}", errors[0].str(), errors[0])
-
-    def _run(self) -> None:
-        try:
-            consumer = self._consumer()
-        except BaseException as exc:  # noqa: BLE001 (reported through start())
-            self._error = exc
-            return
-        try:
-            highs = self._assign(consumer)
-            while not self._stopping.is_set():
-                pairs = []
-                for msg in consumer.consume(500, 0.1):
-                    if msg.error() is not None:
-                        if msg.error().code() != KafkaError._PARTITION_EOF:
-                            log.info("tenant registry: %s", msg.error().str())
-                        continue
-                    pairs.append((msg.key(), msg.value()))
-                if pairs:
-                    self.apply(pairs)
-                if highs is not None and not self._ready.is_set():
-                    positions = consumer.position([TopicPartition(self.topic, p) for p in highs])
-                    if all(tp.offset >= highs[tp.partition] or highs[tp.partition] == 0 for tp in positions):
-                        self._ready.set()
-        except BaseException as exc:  # noqa: BLE001
-            self._error = exc
-            log.error("tenant registry reader stopped: %s", exc)
-        finally:
-            consumer.close()
-
-    def _consumer(self) -> Consumer:
-        return Consumer(self.settings.kafka.consumer_config(
-            "llmq-tenants-unused",  # assign() below: no group, no commits
-            **{"client.id": "llmq-tenants", "enable.partition.eof": False, "fetch.wait.max.ms": 50}))
-
-    def _assign(self, consumer: Consumer) -> dict[int, int]:
-        """Assign every partition from the beginning; the high watermarks to reach before ready."""
-        created = False
-        while not self._stopping.is_set():
-            try:
-                md = consumer.list_topics(self.topic, timeout=10).topics.get(self.topic)
-            except KafkaException as exc:
-                log.info("tenant registry: cannot describe %s (%s); retrying", self.topic, exc.args[0].str())
-                time.sleep(1)
-                continue
-            if md is not None and md.error is None and md.partitions:
-                break
-            if md is not None and md.error is not None and md.error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
-                raise LlmqError(f"not authorized to read {self.topic} (see `llmq acls`)")
-            if not created:
-                created = True
-                self.ensure()
-                continue
-            time.sleep(0.5)
-        highs = self._high_watermarks(consumer, md.partitions)
-        consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in md.partitions])
-        if not any(highs.values()):
-            self._ready.set()
-        return highs
-
-    def _high_watermarks(self, consumer: Consumer, partitions) -> dict[int, int]:
-        """Where each partition ends now. Asked again while a partition has no leader (a broker
-        of a replicated cluster down): start() bounds the wait, not the first refusal."""
-        while True:
-            try:
-                return {p: consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10)[1]
-                        for p in partitions}
-            except KafkaException as exc:
-                if self._stopping.is_set():
-                    raise
-                log.info("tenant registry: cannot read where %s ends (%s); retrying", self.topic,
-                         exc.args[0].str())
-                time.sleep(1)
+        self._topic.publish(name.encode(), None if record is None else record.to_json(), timeout)
 
     def apply(self, records: Iterable[tuple[bytes | None, bytes | None]]) -> bool:
         """Apply topic records (key, value) as one new snapshot; True if anything changed."""

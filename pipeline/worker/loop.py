@@ -33,6 +33,7 @@ from pipeline.errors import ConfigError, KafkaOperationError
 from pipeline.observability.metrics import TenantLabels, WorkerMetrics
 from pipeline.serde import Codec
 from pipeline.serde.factory import codec_for
+from pipeline.worker.announcer import Announcer
 from pipeline.worker.backends.base import Backend
 from pipeline.worker.context import WorkerContext
 from pipeline.worker.coordinator_watch import CoordinatorWatch
@@ -132,6 +133,15 @@ class Worker:
     async def _main(self) -> None:
         if self.cfg.group_protocol == "consumer":
             apply_group_session(self.settings, self.group_id)
+        announcer = Announcer(self.settings, self.backend, self.group_id)
+        await announcer.read()  # the servers' lists first: a request naming no model needs the default
+        announcing = asyncio.create_task(announcer.run(), name="llmq-models")
+        try:
+            await self._sessions()
+        finally:
+            announcing.cancel()
+
+    async def _sessions(self) -> None:
         while True:
             await self._session()
             session = self.session

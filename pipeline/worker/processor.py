@@ -17,7 +17,7 @@ import time
 from pipeline.errors import DecodeError, LimitExceeded
 from pipeline.models import REDELIVERED, Request, now_ms
 from pipeline.policy.validation import validate_request
-from pipeline.worker.backends.base import Backend, PacedBackend, StreamingBackend
+from pipeline.worker.backends.base import Backend, CatalogedBackend, PacedBackend, StreamingBackend
 from pipeline.worker.backends.routing import UnknownModelError
 from pipeline.worker.chunk_publisher import stream_completion
 from pipeline.worker.context import WorkerContext
@@ -70,6 +70,7 @@ class Processor:
         self._release = paced.release if paced else None
         self._same_servers = paced.same_servers if paced else None
         self._streams = isinstance(backend, StreamingBackend)
+        self._default_model = backend.default_model if isinstance(backend, CatalogedBackend) else str
 
     @property
     def releasing(self) -> int:
@@ -91,7 +92,10 @@ class Processor:
         try:
             if not value:
                 raise DecodeError("empty", "message has no value (empty or tombstone)")
-            return self.codec.decode_request(value)
+            request = self.codec.decode_request(value)
+            if not request.model:  # it names none: the model its servers serve by default
+                request.model = self._default_model()
+            return request
         except DecodeError as exc:
             stats = self.stats
             if not stats.consumed:

@@ -154,7 +154,7 @@ def test_request_new_fills_id_timestamp_and_defaults():
     assert before <= req.created_at <= after
     assert isinstance(req.created_at, int)
     assert req.priority is Priority.NORMAL
-    assert (req.model, req.max_tokens, req.timeout_ms) == ("sim-small", 256, 60_000)
+    assert (req.model, req.max_tokens, req.timeout_ms) == ("", 256, 60_000)  # "": the default model
     assert (req.user_tier, req.task_tier, req.allow_degrade) == ("standard", TaskTier.ASYNC, False)
     assert (req.notify_queued, req.trace_id, req.metadata) == (False, None, {})
     assert req.deadline_ms == req.created_at + 60_000

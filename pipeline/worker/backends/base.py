@@ -63,6 +63,18 @@ class Backend(Protocol):
 
 
 @runtime_checkable
+class CatalogedBackend(Protocol):
+    """A backend that can say which model names it serves (pipeline/catalog/)."""
+
+    def default_model(self) -> str:
+        """What a request that names no model runs on ("" when not known yet)."""
+
+    async def served_models(self) -> tuple[list[str], str, bool]:
+        """Read what its servers serve: the names requests may use, the default model, and
+        whether it may serve names it did not list."""
+
+
+@runtime_checkable
 class StreamingBackend(Protocol):
     """A backend that can hand out an answer piece by piece (``"stream": true``)."""
 

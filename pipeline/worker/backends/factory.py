@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import WorkerSettings
+from pipeline.config import ModelSettings, WorkerSettings
 from pipeline.worker.backends.base import Backend
 
 
-def make_backend(cfg: WorkerSettings) -> Backend:
+def make_backend(cfg: WorkerSettings, models: ModelSettings | None = None) -> Backend:
+    """``models``: the aliases and default model (``[models]``) the routing table applies."""
     if cfg.backend == "openai":
         from pipeline.worker.backends.openai_http import OpenAIBackend
         from pipeline.worker.backends.pacing import PacingConfig
@@ -17,8 +18,9 @@ def make_backend(cfg: WorkerSettings) -> Backend:
         key = Path(cfg.openai_api_key_file).expanduser().read_text().strip() if cfg.openai_api_key_file \
             else cfg.openai_api_key
         max_connections = max(8, cfg.max_inflight)
-        routes = RoutingTable.parse(cfg.openai_routes) if cfg.openai_routes.strip() \
-            else RoutingTable.single(cfg.openai_base_url)
+        names = {"aliases": models.aliases, "default": models.default} if models is not None else {}
+        routes = RoutingTable.parse(cfg.openai_routes, **names) if cfg.openai_routes.strip() \
+            else RoutingTable.single(cfg.openai_base_url, **names)
         pacing = None
         if cfg.backend_pacing:
             pacing = PacingConfig(initial_limit=min(cfg.backend_initial_inflight, max_connections),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 from contextlib import asynccontextmanager
@@ -39,6 +40,8 @@ from pipeline.worker.backends.openai_wire import (SseParser, StreamAssembler, Wi
 from pipeline.worker.backends.pacing import PacingConfig, PacingGate, Slot
 from pipeline.worker.backends.routing import RoutingTable, Server
 from pipeline.worker.backends.server_metrics import MetricsPoller
+
+log = logging.getLogger(__name__)
 
 _RETRIABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 _OVERLOAD_STATUS = {429, 503}
@@ -247,6 +250,33 @@ class OpenAIBackend:
         except BackendError:
             return False
 
+    def default_model(self) -> str:
+        """What a request that names no model runs on ("" until a server's list has been read)."""
+        return self.routes.default_model()
+
+    async def served_models(self, timeout_s: float = 5.0) -> tuple[list[str], str, bool]:
+        """Read every server's ``GET /v1/models`` into the routing table; returns what requests
+        may ask for, the default model, and whether names nobody listed may still be served (a
+        server's list could not be read: it keeps the one it had, or none)."""
+        for server in self.routes.servers:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    async with self._client.get(server.base_url + "/models") as resp:
+                        if resp.status != 200:
+                            raise WireError(f"HTTP {resp.status}")
+                        data = json.loads(await _read_capped(resp, 1 << 22))
+                ids = tuple(str(m["id"]) for m in data["data"] if isinstance(m, dict) and m.get("id"))
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError,
+                    WireError) as exc:
+                if server.served is None:
+                    log.info("cannot read the models %s serves (%s): any name may go to it", server,
+                             type(exc).__name__ if not str(exc) else exc)
+                continue
+            if ids != server.served:
+                log.info("%s serves %s", server, ", ".join(ids) or "no model")
+            server.served = ids
+        return self.routes.listed(), self.routes.default_model(), self.routes.open_ended
+
     def server_state(self) -> list[dict[str, Any]]:
         state = self.gate.state()
         return [{"base_url": s.base_url, "models": list(s.models), "up": self.routes.is_up(s),
@@ -300,7 +330,8 @@ class OpenAIBackend:
             ends = time.monotonic() + timeout
             stream = call.stream and not call.plain and (
                 call.always_stream or not self.prefer_real_usage or server.stream_usage is not False)
-            call.body = chat_body(call.request, stream=stream, defaults=self.params)
+            call.body = chat_body(call.request, stream=stream, defaults=self.params,
+                                  model=self.routes.served_name(call.request.model))
             url = server.base_url + "/chat/completions"
             connect = aiohttp.ClientTimeout(total=None, connect=min(self.connect_timeout_s, timeout))
             sent = time.monotonic()

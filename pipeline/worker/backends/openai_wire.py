@@ -50,13 +50,15 @@ def messages_of(request: Request) -> list[dict[str, Any]]:
     return out
 
 
-def chat_body(request: Request, *, stream: bool, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def chat_body(request: Request, *, stream: bool, defaults: Mapping[str, Any] | None = None,
+              model: str | None = None) -> dict[str, Any]:
+    """``model``: the name the server knows the request's model by (an alias resolved)."""
     body: dict[str, Any] = dict(defaults or {})
     for name in SAMPLING_FIELDS:
         value = getattr(request, name, None)
         if value is not None and value != []:
             body[name] = value
-    body["model"] = request.model
+    body["model"] = model or request.model
     body["max_tokens"] = request.max_tokens
     body["messages"] = messages_of(request)
     if stream:
@@ -87,7 +89,8 @@ def completion_from_json(data: Any, request: Request) -> Completion:
         estimated = "completion_tokens" not in usage
         prompt_tokens = int(usage.get("prompt_tokens", 0))
         completion_tokens = int(usage.get("completion_tokens", 0)) if not estimated else estimate_tokens(output)
-        return Completion(str(output), prompt_tokens, completion_tokens, str(data.get("model") or request.model),
+        # The name the caller asked for, not the server's (an alias stays the caller's name).
+        return Completion(str(output), prompt_tokens, completion_tokens, request.model,
                           finish_reason=choice.get("finish_reason"), usage_estimated=estimated)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         raise WireError(f"unexpected response body ({type(exc).__name__}): {quote(_dump(data))}") from None

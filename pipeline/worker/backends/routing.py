@@ -5,6 +5,12 @@ every other model (one base URL for everything is the table ``{"*": [url]}``). A
 degraded (smaller) model is just another name with its own servers. A model with no
 route is refused before any HTTP call.
 
+Names: a request's model goes through the aliases first (public name → the name the servers
+know). The servers' own lists (``GET /v1/models``, read by :meth:`OpenAIBackend.served_models`)
+narrow the catch-all route: a model no catch-all server lists is refused, like one with no
+route, as long as every catch-all server's list is known. A request that names no model runs
+on :meth:`RoutingTable.default_model`.
+
 Spreading: of a model's servers, the one with a free pacing slot and the fewest calls in
 flight, ties going round-robin. Failover: a server that failed a call is skipped by that
 call's retries while the model has another one; a server that could not be reached is
@@ -40,6 +46,8 @@ class Server:
     models: list[str] = field(default_factory=list)
     down_until: float = 0.0
     consecutive_failures: int = 0
+    #: The names it lists on /v1/models (None: not read, or it could not be read).
+    served: tuple[str, ...] | None = None
     #: Whether its streams end with usage (None: not seen yet). Servers that leave it out
     #: (llama-cpp-python) are asked for whole answers by complete(), whose usage is real.
     stream_usage: bool | None = None
@@ -56,9 +64,14 @@ class Server:
 
 class RoutingTable:
     def __init__(self, routes: Mapping[str, Sequence[str] | str], *, cooldown_s: float = 1.0,
-                 max_cooldown_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+                 max_cooldown_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 aliases: Mapping[str, str] | None = None, default: str = ""):
         if not routes:
             raise ValueError("a routing table needs at least one route")
+        #: Public name → the name the servers know it by.
+        self.aliases = dict(aliases or {})
+        #: The configured model of a request that names none ("" = the servers' first listed).
+        self.default = default
         self.cooldown_s = cooldown_s
         self.max_cooldown_s = max_cooldown_s
         self.clock = clock
@@ -96,11 +109,55 @@ class RoutingTable:
     def models(self) -> list[str]:
         return [m for m in self._routes if m != WILDCARD]
 
+    def served_name(self, model: str) -> str:
+        """The name ``model`` has on its servers (what goes in the call's body)."""
+        return self.aliases.get(model, model)
+
     def servers_for(self, model: str) -> list[Server]:
-        servers = self._routes.get(model) or self._routes.get(WILDCARD)
+        servers = self._routes.get(model)
         if servers is None:
-            raise UnknownModelError(model, self.models)
+            name = self.served_name(model)
+            servers = self._routes.get(name)
+            if servers is None:
+                servers = self._routes.get(WILDCARD)
+                if servers is None:
+                    raise UnknownModelError(model, self.models)
+                servers = self._serving(servers, name, model)
         return servers
+
+    def _serving(self, servers: list[Server], name: str, model: str) -> list[Server]:
+        """The catch-all servers that may serve ``name``: those that list it, and those whose list
+        is not known; none of them (every list known, none has it) → unknown."""
+        if all(s.served is None for s in servers):
+            return servers
+        serving = [s for s in servers if s.served is None or name in s.served]
+        if not serving:
+            raise UnknownModelError(model, self.listed())
+        return serving
+
+    def listed(self) -> list[str]:
+        """The names requests may use: explicit routes, what the catch-all servers list, the
+        aliases of those."""
+        names = dict.fromkeys(self.models)
+        for server in self._routes.get(WILDCARD, ()):
+            names.update(dict.fromkeys(server.served or ()))
+        names.update(dict.fromkeys(a for a, target in self.aliases.items() if target in names))
+        return list(names)
+
+    @property
+    def open_ended(self) -> bool:
+        """Whether a name nobody listed may still be served (a catch-all server's list is unknown)."""
+        return any(s.served is None for s in self._routes.get(WILDCARD, ()))
+
+    def default_model(self) -> str:
+        """What a request that names no model runs on: the configured default, else the first
+        name a catch-all server lists, else the first explicit route ("" when none is known)."""
+        if self.default:
+            return self.default
+        for server in self._routes.get(WILDCARD, ()):
+            if server.served:
+                return server.served[0]
+        return self.models[0] if self.models else ""
 
     def pick(self, model: str, *, exclude: Collection[Server] = (),
              key: Callable[[Server], object] | None = None) -> Server | None:

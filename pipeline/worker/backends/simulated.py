@@ -23,6 +23,10 @@ def _sentence_prefixes(seed: int, length: int) -> tuple[str, ...]:
     return tuple(" ".join(words[:n]) for n in range(length + 1))
 
 
+#: The names the simulated model lists; it answers any other name too.
+SIMULATED_MODELS = ("sim-small", "sim-large")
+
+
 class SimulatedBackend:
     """Latency = ``latency_ms`` + ``ms_per_token`` × completion tokens.
 
@@ -48,7 +52,7 @@ class SimulatedBackend:
             n = self.max_output_tokens
         elif n < 1:
             n = 1
-        model = request.model
+        model = request.model or SIMULATED_MODELS[0]
         seed = self._model_crc.get(model)
         if seed is None:
             seed = zlib.crc32(model.encode())
@@ -90,6 +94,13 @@ class SimulatedBackend:
             yield Piece(i, word if i == 0 else " " + word)
         finish = "length" if answer.completion_tokens == request.max_tokens else "stop"
         yield Piece(len(words), "", finish, Usage(answer.prompt_tokens, answer.completion_tokens))
+
+    def default_model(self) -> str:
+        return SIMULATED_MODELS[0]
+
+    async def served_models(self) -> tuple[list[str], str, bool]:
+        """What it lists, its default, and that it answers any other name too."""
+        return list(SIMULATED_MODELS), SIMULATED_MODELS[0], True
 
     async def close(self) -> None:
         return None

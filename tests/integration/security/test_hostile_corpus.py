@@ -189,6 +189,13 @@ def _body_wins(tenant: str, priority: Priority) -> Callable[[Response], None]:
     return check
 
 
+def _model_is(model: str) -> Callable[[Response], None]:
+    def check(resp: Response) -> None:
+        assert resp.model == model
+
+    return check
+
+
 def _tenant_is(tenant: str) -> Callable[[Response], None]:
     def check(resp: Response) -> None:
         assert resp.tenant_id == tenant
@@ -288,7 +295,8 @@ def build_corpus() -> list[Case]:
     add(_request_case("request_id_uuid_plus_newline", _rejected(NOT_UUID), request_id=str(uuid.uuid4()) + "\n"))
     add(_request_case("request_id_empty", _rejected(NOT_UUID), request_id=""))
     add(_request_case("empty_prompt", _rejected(INVALID + "prompt is empty"), prompt=""))
-    add(_request_case("empty_model", _rejected(INVALID + "model is empty"), model=""))
+    # No model named: it runs on the default (the simulated model's first name).
+    add(_request_case("empty_model", Answer(Status.COMPLETED, check=_model_is("sim-small")), model=""))
 
     # -- decodable and valid, but old -----------------------------------------------------------
     add(_request_case("replayed_old_request", Answer(Status.EXPIRED, "deadline_passed"),

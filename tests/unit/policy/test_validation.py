@@ -19,7 +19,6 @@ def test_a_well_formed_request_passes():
     ({"max_tokens": -5}, "max_tokens must be > 0"),
     ({"max_tokens": 10**7}, "max_tokens must be <="),
     ({"timeout_ms": -1}, "timeout_ms must be > 0"),
-    ({"model": ""}, "model is empty"),
     ({"request_id": "not-a-uuid"}, "request_id must be a UUID"),
     ({"request_id": "zzzzzzzz-zzzz-zzzz-zzzz-zzzzzzzzzzzz"}, "request_id must be a UUID"),
 ])

@@ -9,10 +9,11 @@ from dataclasses import replace
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from pipeline.catalog.catalog import ModelCatalog, PoolModels
 from pipeline.client import AsyncReplyStream, Submitted
 from pipeline.config import Settings
 from pipeline.errors import KafkaOperationError
-from pipeline.models import Chunk, Request, Response, Status
+from pipeline.models import Chunk, Request, Response, Status, now_ms
 from pipeline.serve.app import Server, build_app
 from pipeline.tenants.keys import hash_key
 from pipeline.tenants.registry import TenantRegistry
@@ -118,12 +119,27 @@ def settings(**serve) -> Settings:
     return s
 
 
+class StaticModels:
+    """A model store whose catalog holds one pool's list, published now."""
+
+    def __init__(self, settings: Settings, served: tuple[str, ...], any_model: bool = False,
+                 aliases: dict | None = None):
+        pool = PoolModels("llmq-workers", served, served[0] if served else "", any_model, aliases or {}, now_ms())
+        self._catalog = ModelCatalog(settings.models, {pool.pool: pool})
+
+    def catalog(self) -> ModelCatalog:
+        return self._catalog
+
+
 @contextlib.asynccontextmanager
-async def running(script, kafka_down: bool = False, **serve):
-    """(http client, Server, FakeClient) for one test."""
+async def running(script, kafka_down: bool = False, served: tuple[str, ...] | None = ("sim-small", "sim-large"),
+                  aliases: dict | None = None, **serve):
+    """(http client, Server, FakeClient) for one test. ``served``: what the one pool of the model
+    catalog serves (None: no pool has published)."""
     s = settings(**serve)
     fake = FakeClient(script, kafka_down=kafka_down)
-    server = Server(s, TenantRegistry(s), fake)
+    models = StaticModels(s, served, aliases=aliases) if served is not None else None
+    server = Server(s, TenantRegistry(s), fake, models)
     async with TestClient(TestServer(build_app(server))) as http:
         yield http, server, fake
 

@@ -247,17 +247,53 @@ def test_a_batch_request_refused_at_once_gets_the_refusal_status():
     assert run(go()) == (429, "5")
 
 
-def test_models_are_the_tenants_own_or_the_configured_list():
+def test_models_are_what_the_pools_serve_within_the_tenants_own_list():
     async def go():
-        async with running(lambda req: []) as (http, server, fake):
+        async with running(lambda req: [], aliases={"gpt-4o-mini": "sim-small", "stale": "gone"}) as (http, _, _f):
             beta = await (await http.get("/v1/models", headers=auth("beta"))).json()
             acme = await (await http.get("/v1/models", headers=auth())).json()
             one = await http.get("/v1/models/sim-large", headers=auth("beta"))
-            return beta, acme, one.status
-    beta, acme, one = run(go())
+            alias = await http.get("/v1/models/gpt-4o-mini", headers=auth())
+            return beta, acme, one.status, alias.status
+    beta, acme, one, alias = run(go())
     assert [m["id"] for m in beta["data"]] == ["sim-small"] and beta["object"] == "list"
-    assert [m["id"] for m in acme["data"]] == ["sim-small", "sim-large"]
-    assert one == 404
+    # an alias is listed once its target is served; one whose target nobody serves is not
+    assert [m["id"] for m in acme["data"]] == ["sim-small", "sim-large", "gpt-4o-mini"]
+    assert one == 404 and alias == 200
+
+
+def test_before_any_pool_has_published_only_the_tenants_own_list_is_shown_and_nothing_is_refused():
+    async def go():
+        async with running(lambda req: [completed(req, "ok")], served=None) as (http, _, fake):
+            beta = await (await http.get("/v1/models", headers=auth("beta"))).json()
+            acme = await (await http.get("/v1/models", headers=auth())).json()
+            r = await http.post("/v1/chat/completions", headers=auth(),
+                                json={"model": "whatever", "messages": [{"role": "user", "content": "x"}]})
+            return beta, acme, r.status, [q.model for q in fake.sent]
+    beta, acme, status, sent = run(go())
+    assert [m["id"] for m in beta["data"]] == ["sim-small"] and acme["data"] == []
+    assert status == 200 and sent == ["whatever"]
+
+
+def test_a_model_no_pool_serves_is_404_model_not_found_before_anything_is_written():
+    async def go():
+        async with running(lambda req: [completed(req, "ok")], served=("qwen-0.5b",)) as (http, _, fake):
+            r = await http.post("/v1/chat/completions", headers=auth(),
+                                json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]})
+            return r.status, await r.json(), fake.sent
+    status, body, sent = run(go())
+    assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
+    assert "'gpt-4o'" in body["error"]["message"] and "qwen-0.5b" in body["error"]["message"]
+    assert sent == []
+
+
+def test_a_request_that_names_no_model_runs_on_the_served_default():
+    async def go():
+        async with running(lambda req: [completed(req, "ok")], served=("qwen-0.5b",)) as (http, _, fake):
+            r = await http.post("/v1/requests", headers=auth(), json={"prompt": "p"})
+            return r.status, [q.model for q in fake.sent]
+    status, sent = run(go())
+    assert status in (200, 202) and sent == ["qwen-0.5b"]
 
 
 def test_draining_answers_new_requests_503_and_requests_past_the_grace_period_503():

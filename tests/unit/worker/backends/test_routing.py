@@ -93,3 +93,35 @@ def test_a_server_shared_by_two_models_is_one_server():
 def test_malformed_tables_are_refused(spec):
     with pytest.raises(ValueError):
         RoutingTable.parse(spec)
+
+
+def test_aliases_route_to_the_name_the_servers_know():
+    table = RoutingTable({"qwen": ["http://a/v1"], "*": ["http://b/v1"]}, aliases={"gpt-4o-mini": "qwen"})
+    assert table.served_name("gpt-4o-mini") == "qwen" and table.served_name("other") == "other"
+    assert [s.base_url for s in table.servers_for("gpt-4o-mini")] == ["http://a/v1"]
+
+
+def test_the_servers_lists_narrow_the_catch_all_route():
+    table = RoutingTable.single("http://a/v1")
+    assert table.servers_for("anything") and table.open_ended  # not read yet: any name may go
+    table.servers[0].served = ("qwen",)
+    assert table.servers_for("qwen") and not table.open_ended
+    with pytest.raises(UnknownModelError):
+        table.servers_for("gpt-4o")
+    assert table.listed() == ["qwen"]
+
+
+def test_of_two_catch_all_servers_only_those_that_list_the_model_or_have_not_said_serve_it():
+    table = RoutingTable({"*": ["http://a/v1", "http://b/v1", "http://c/v1"]})
+    a, b, c = table.servers
+    a.served, b.served = ("qwen",), ("llama",)
+    assert table.servers_for("llama") == [b, c]
+
+
+def test_the_default_model_is_the_configured_one_else_the_first_listed_else_the_first_route():
+    assert RoutingTable.single("http://a/v1", default="phi").default_model() == "phi"
+    table = RoutingTable({"big": ["http://a/v1"], "*": ["http://b/v1"]})
+    assert table.default_model() == "big"
+    big, catch_all = table.servers
+    big.served, catch_all.served = ("big",), ("qwen", "llama")
+    assert table.default_model() == "qwen"
