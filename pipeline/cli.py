@@ -193,7 +193,7 @@ def cmd_worker(args) -> int:
         if value is not None:
             setattr(w, name, value)
     settings.validate()
-    backend = make_backend(w)
+    backend = make_backend(w, settings.models)
     topics = args.topics.split(",") if args.topics else None
     worker = Worker(settings, backend, topics=topics, weights=_tenant_weights(settings))
     if serve(worker.metrics.registry, w.metrics_port, w.metrics_addr):
@@ -573,7 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--tenant", help="the tenant (required unless --via: then the API key names it)")
     p.add_argument("--priority", default="normal", help="critical, high, normal, low or background")
-    p.add_argument("--model", default="sim-small")
+    p.add_argument("--model", default="", help="the model (default: the one the servers serve by default, "
+                                               "models.default; `GET /v1/models` on serve lists them)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (also the request's timeout_ms)")
     p.add_argument("--no-wait", action="store_true", help="print the request id once acknowledged, don't wait")
