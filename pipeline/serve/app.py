@@ -5,10 +5,11 @@
 | POST /v1/chat/completions   | a chat request; answered when its answer comes (or its deadline passes) |
 | POST /v1/completions        | the same for a prompt                                                   |
 |   with "stream": true       | Server-Sent Events from the streamed chunks, ``data: [DONE]`` last      |
-| GET  /v1/models             | the models the caller's tenant may use                                  |
+| GET  /v1/models             | the models the pools serve (the catalog) that the caller's tenant may use |
 | POST /v1/requests           | 202 + id at once (default band BACKGROUND): for batch work              |
 | GET  /v1/requests/{id}      | its status (queued: position, ETA) and, once there, its answer          |
 | GET  /healthz               | 200 serving, 503 draining or not connected                              |
+| GET  /metrics               | Prometheus: requests by route and status, latency, in flight, streams   |
 | /v1/files, /v1/batches      | OpenAI's Batch API (pipeline/serve/batch_api.py)                        |
 
 The tenant is the caller's API key's (pipeline/serve/auth.py); the band is ``x-llmq-priority``
@@ -36,6 +37,7 @@ from pipeline.models import Priority, Request, Response, Status, now_ms
 from pipeline.policy.validation import validate_request
 from pipeline.serve.auth import Authenticator, Caller
 from pipeline.serve.errors import ApiError, bad_request, for_response
+from pipeline.serve.metrics import ServeMetrics
 from pipeline.serve.results import ResultStore
 from pipeline.serve.shapes import CHAT, COMPLETION, Parsed, models_list, parse_body, parse_priority, render
 from pipeline.serve.sse import stream_answer
@@ -380,7 +382,9 @@ async def errors_middleware(http: web.Request, handler):
 
 def build_app(server: Server, batches=None) -> web.Application:
     """``batches``: the BatchStore behind /v1/files and /v1/batches (None: not served)."""
-    app = web.Application(middlewares=[errors_middleware], client_max_size=server.cfg.max_body_bytes)
+    metrics = ServeMetrics(server)
+    # Outermost: what is counted is the status the caller got, errors turned into answers included.
+    app = web.Application(middlewares=[metrics.middleware, errors_middleware], client_max_size=server.cfg.max_body_bytes)
     if batches is not None:
         from pipeline.serve.batch_api import BatchApi
 
@@ -392,5 +396,6 @@ def build_app(server: Server, batches=None) -> web.Application:
     app.router.add_post("/v1/requests", server.submit)
     app.router.add_get("/v1/requests/{request_id}", server.status)
     app.router.add_get("/healthz", server.healthz)
+    app.router.add_get("/metrics", metrics.view)
     return app
 

@@ -80,7 +80,10 @@ _GATEWAY = (
     "llmq_gateway_shadow_decisions_total", "llmq_gateway_shadow_disagreements_total",
 )
 _SHARED_WITH_THE_GATEWAY = ("llmq_requests_total", "llmq_rejections_total", "llmq_dead_letters_total")
-EXPORTED = frozenset(_COUNTERS + _GAUGES + _GATEWAY
+#: llmq serve's own (pipeline/serve/metrics.py).
+_SERVE = ("llmq_serve_requests_total", "llmq_serve_request_seconds_bucket", "llmq_serve_request_seconds_sum",
+          "llmq_serve_request_seconds_count", "llmq_serve_inflight", "llmq_serve_open_streams")
+EXPORTED = frozenset(_COUNTERS + _GAUGES + _GATEWAY + _SERVE
                      + tuple(h + s for h in _HISTOGRAMS for s in ("_bucket", "_sum", "_count")))
 #: Series Prometheus itself adds for every target.
 PROMETHEUS_OWN = frozenset({"up"})
@@ -144,10 +147,18 @@ def test_worker_metric_names_match_the_code():
     """The worker part of EXPORTED is what WorkerMetrics registers (renames there break dashboards and alerts)."""
     from pipeline.observability.metrics import WorkerMetrics
 
-    worker_names = {n for n in EXPORTED if n.startswith("llmq_") and n not in _GATEWAY and not n.startswith(
+    worker_names = {n for n in EXPORTED if n.startswith("llmq_") and n not in _GATEWAY + _SERVE and not n.startswith(
         ("llmq_consumergroup_", "llmq_queue_depth", "llmq_oldest_request_age", "llmq_band_consumers",
          "llmq_lag_exporter_"))}
     assert _exposition_names(WorkerMetrics().registry) == worker_names
+
+
+def test_serve_metric_names_match_the_code():
+    from types import SimpleNamespace
+
+    from pipeline.serve.metrics import ServeMetrics
+
+    assert _exposition_names(ServeMetrics(SimpleNamespace(inflight=0, streams=set())).registry) == set(_SERVE)
 
 
 def test_gateway_metric_names_match_the_code():
@@ -277,7 +288,7 @@ def test_two_level_alerts_are_tested_at_the_boundary():
 
 
 #: The scrape jobs the rules and the dashboard select on.
-JOBS = ("llmq-gateway", "llmq-workers", "llmq-lag-exporter")
+JOBS = ("llmq-gateway", "llmq-workers", "llmq-lag-exporter", "llmq-serve")
 
 
 def test_prometheus_config_scrapes_the_three_jobs_and_loads_the_rules():
@@ -290,7 +301,7 @@ def test_prometheus_config_scrapes_the_three_jobs_and_loads_the_rules():
             for j in config["scrape_configs"]}
     # The gateways are the docker-compose services gateway-1 and gateway-2, on their web port.
     assert jobs == {"llmq-gateway": ["gateway-1:6066", "gateway-2:6066"], "llmq-workers": ["worker:9101"],
-                    "llmq-lag-exporter": ["lag-exporter:9102"]}
+                    "llmq-lag-exporter": ["lag-exporter:9102"], "llmq-serve": ["serve:8080"]}
     assert {t.rsplit(":", 1)[1] for t in jobs["llmq-gateway"]} == {str(GatewaySettings().web_port)}
     assert jobs["llmq-workers"][0].endswith(f":{WorkerSettings().metrics_port}")
     assert sorted(config["rule_files"]) == sorted(p.name for p in RULE_FILES)

@@ -325,3 +325,18 @@ def test_health_while_serving():
             return r.status, await r.json()
     status, body = run(go())
     assert status == 200 and body["status"] == "ok" and body["reply_partitions"] == [0]
+
+
+def test_metrics_count_requests_by_route_pattern_and_status():
+    async def go():
+        async with running(lambda req: [completed(req, "ok")]) as (http, _, _f):
+            await http.post("/v1/chat/completions", json=CHAT, headers=auth())
+            await http.get("/v1/models/nope", headers=auth())
+            await http.get("/v1/no-such-thing")
+            return await (await http.get("/metrics")).text()
+    text = run(go())
+    assert 'llmq_serve_requests_total{code="200",method="POST",route="/v1/chat/completions"} 1.0' in text
+    assert 'llmq_serve_requests_total{code="404",method="GET",route="/v1/models/{model}"} 1.0' in text
+    assert 'method="GET",route="unmatched"' in text and "/v1/no-such-thing" not in text
+    assert 'llmq_serve_request_seconds_count{route="/v1/chat/completions"} 1.0' in text
+    assert "llmq_serve_inflight 0.0" in text and "llmq_serve_open_streams 0.0" in text
