@@ -12,7 +12,7 @@ client libraries expect. A refused or failed request says why with the pipeline'
 | REJECTED unauthorized                             | 401  | authentication_error / unauthorized    |
 | REJECTED forbidden                                | 403  | permission_error / forbidden           |
 | REJECTED duplicate_request_id                     | 409  | invalid_request_error / duplicate_...  |
-| REJECTED model_unavailable                        | 404  | invalid_request_error / model_not_found|
+| REJECTED model_not_found, model_unavailable       | 404  | invalid_request_error / model_not_found|
 | EXPIRED                                           | 504  | timeout / expired                      |
 | CANCELLED                                         | 409  | cancelled / cancelled                  |
 | FAILED                                            | 502  | api_error / the code (backend_error)   |
@@ -35,6 +35,7 @@ _REJECTED = {
     "forbidden": (403, "permission_error"),
     "duplicate_request_id": (409, "invalid_request_error"),
     "model_unavailable": (404, "invalid_request_error"),
+    "model_not_found": (404, "invalid_request_error"),
 }
 
 
@@ -82,7 +83,7 @@ def for_reason(reason: str, retry_after_ms: int | None = None) -> ApiError:
     if code in _TOO_MANY:
         return ApiError(429, reason, "rate_limit_error", _TOO_MANY[code], retry_after_s=retry or 1)
     status, type_ = _REJECTED.get(code, (400, "invalid_request_error"))
-    if code == "model_unavailable":
+    if code in ("model_unavailable", "model_not_found"):
         return ApiError(status, reason, type_, "model_not_found", "model", retry)
     return ApiError(status, reason, type_, code or None, retry_after_s=retry)
 

@@ -81,6 +81,7 @@ def test_answers_and_stream_events_in_openais_shape():
     (Status.REJECTED, "forbidden: model", 403, "forbidden"),
     (Status.REJECTED, "duplicate_request_id: taken", 409, "duplicate_request_id"),
     (Status.REJECTED, "model_unavailable: no server", 404, "model_not_found"),
+    (Status.REJECTED, "model_not_found: no server serves model 'x'", 404, "model_not_found"),
     (Status.EXPIRED, "expired: deadline passed", 504, "expired"),
     (Status.CANCELLED, "cancelled: by the client", 409, "cancelled"),
     (Status.FAILED, "backend_error: 500", 502, "backend_error"),
