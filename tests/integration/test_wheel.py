@@ -9,8 +9,8 @@ is a 404, as vLLM answers), and `llmq serve`; then one request through each entr
 the server serves.
 
 NAME_THE_MODEL (env LLMQ_WHEEL_TEST_NAME_THE_MODEL=1) names the served model explicitly
-everywhere instead (and lists it in serve's [serve] models): the same run without depending on
-how unnamed models are resolved.
+everywhere instead (the tenant's model list included, which serve's /v1/models shows it): the
+same run without depending on how unnamed models are resolved.
 """
 
 from __future__ import annotations
@@ -170,6 +170,15 @@ def _answers(url: str) -> bool:
         return False
 
 
+def _listed_models(serve_url: str, key_file: Path) -> list[str]:
+    try:
+        got = httpx.get(f"{serve_url}/v1/models", timeout=2,
+                        headers={"Authorization": f"Bearer {key_file.read_text().strip()}"})
+    except httpx.HTTPError:
+        return []
+    return [m["id"] for m in got.json()["data"]] if got.status_code == 200 else []
+
+
 @pytest.fixture(scope="module")
 def stack(work, venv):
     """Broker, topics, tenant, simulator, gateway, worker and serve, all from the fresh venv's
@@ -182,10 +191,6 @@ def stack(work, venv):
     kafka_port, data_dir = free_port(), work / "kafka"
     bootstrap = f"127.0.0.1:{kafka_port}"
     env = _venv_env(venv, LLMQ_BOOTSTRAP=bootstrap, LLMQ_BROKER__HEAP="512m")
-    if NAME_THE_MODEL:
-        config = home / "llmq.toml"
-        config.write_text(f'[serve]\nmodels = ["{SERVED_MODEL}"]\n')
-        env["LLMQ_CONFIG"] = str(config)
     key_file = home / "tenant.key"
     procs = Processes(logs)
     broker_started = False
@@ -193,7 +198,9 @@ def stack(work, venv):
         _run([llmq, "broker", "up", "--port", kafka_port, "--data-dir", data_dir], env=env, cwd=run)
         broker_started = True
         _run([llmq, "topics", "create"], env=env, cwd=run)
-        _run([llmq, "tenants", "set", TENANT, "--tier", "standard", "--generate-key", key_file], env=env, cwd=run)
+        # NAME_THE_MODEL: the tenant's own model list is what serve's /v1/models shows it
+        _run([llmq, "tenants", "set", TENANT, "--tier", "standard", "--generate-key", key_file, *_model_args()],
+             env=env, cwd=run)
 
         sim_port, gateway_port, serve_port = free_port(), free_port(), free_port()
         sim_url, serve_url = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{serve_port}"
@@ -207,6 +214,9 @@ def stack(work, venv):
         procs.wait_for("gateway", lambda: "Worker]: Ready" in procs.log("gateway"))
         procs.wait_for("worker", lambda: "assigned" in procs.log("worker"))
         procs.wait_for("serve", lambda: _answers(f"{serve_url}/healthz"))
+        # the worker publishes what its server serves; until the front door has read it, a request
+        # without a model has none to go to
+        procs.wait_for("worker", lambda: SERVED_MODEL in _listed_models(serve_url, key_file))
         yield {"env": env, "run": run, "llmq": llmq, "python": python, "key_file": key_file,
                "serve_url": serve_url, "sim_url": sim_url, "procs": procs}
     finally:
