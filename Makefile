@@ -18,7 +18,7 @@ setup: $(VENV)/.installed
 	@$(LLMQ) broker fetch
 	@bash deploy/tools/fetch-prometheus.sh > $(VENV)/.prometheus-bin
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
