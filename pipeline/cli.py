@@ -183,6 +183,7 @@ def cmd_worker(args) -> int:
     from pipeline.observability.metrics import serve
     from pipeline.runtime import freeze_long_lived
     from pipeline.worker.backends.factory import make_backend
+    from pipeline.worker.health import worker_health
     from pipeline.worker.loop import Worker
 
     settings = _settings(args)
@@ -196,8 +197,8 @@ def cmd_worker(args) -> int:
     backend = make_backend(w, settings.models)
     topics = args.topics.split(",") if args.topics else None
     worker = Worker(settings, backend, topics=topics, weights=_tenant_weights(settings))
-    if serve(worker.metrics.registry, w.metrics_port, w.metrics_addr):
-        log.info("metrics on http://%s:%d/metrics", w.metrics_addr, w.metrics_port)
+    if serve(worker.metrics.registry, w.metrics_port, w.metrics_addr, health=worker_health(worker)):
+        log.info("metrics on http://%s:%d/metrics, health on /healthz and /readyz", w.metrics_addr, w.metrics_port)
     freeze_long_lived("worker")
     worker.run()
     return 0

@@ -85,9 +85,11 @@ class EndOffsets:
         ends = {}
         for tp, fut in futures.items():
             try:
-                ends[(tp.topic, tp.partition)] = fut.result().offset
+                offset = fut.result().offset
             except KafkaException:
-                pass  # its leader is away: this partition is judged on the next reading
+                continue  # its leader is away: this partition is judged on the next reading
+            if offset >= 0:  # librdkafka's OFFSET_INVALID (-1001) when it got no answer
+                ends[(tp.topic, tp.partition)] = offset
         return ends
 
 

@@ -289,6 +289,9 @@ class LagCollector:
         self.snapshot: LagSnapshot | None = None
         self.errors = 0
         self.refreshes = 0
+        #: time.monotonic() of the last snapshot read (None: none yet), for /healthz.
+        self.refreshed_at: float | None = None
+        self._started_at = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -298,6 +301,7 @@ class LagCollector:
         try:
             self.snapshot = self.reader.snapshot()
             self.refreshes += 1
+            self.refreshed_at = time.monotonic()
             self._ready.set()
             return True
         except Exception as exc:  # keep serving the last snapshot; count and log the failure
@@ -317,6 +321,27 @@ class LagCollector:
         self._thread = threading.Thread(target=loop, name="llmq-lag-refresh", daemon=True)
         self._thread.start()
         return self
+
+    def stale_for(self, now: float | None = None) -> float | None:
+        """Seconds since the last snapshot once that is longer than a few refreshes (the exporter
+        serves old lag as if it were now); None while it keeps up."""
+        now = time.monotonic() if now is None else now
+        since = now - (self.refreshed_at if self.refreshed_at is not None else self._started_at)
+        return since if since > max(3 * self.interval_s, 60.0) else None
+
+    def health(self):
+        """/healthz: snapshots keep coming; /readyz: there is one."""
+        from pipeline.observability.health import Health
+
+        h = Health()
+
+        def fresh() -> str | None:
+            stale = self.stale_for()
+            return None if stale is None else f"no lag snapshot read for {stale:.0f} s"
+
+        h.add_live("refresh", fresh)
+        h.add_ready("snapshot", lambda: None if self._ready.is_set() else "no lag snapshot read yet")
+        return h
 
     def wait_ready(self, timeout: float = 30.0) -> bool:
         """Wait for the first successful snapshot."""

@@ -101,8 +101,9 @@ def cmd_lag(settings: Settings, groups: str, as_json: bool, watch: float | None,
 
 def cmd_lag_exporter(settings: Settings, groups: str, interval: float, port: int, addr: str) -> int:
     collector = LagCollector(LagReader(settings, groups), interval).start()
-    serve(build_registry(collector), port, addr)
-    print(f"lag exporter: http://{addr}:{port}/metrics (refresh every {interval:g}s, groups /{groups}/)",
+    serve(build_registry(collector), port, addr, health=collector.health())
+    print(f"lag exporter: http://{addr}:{port}/metrics, /healthz, /readyz (refresh every {interval:g}s, "
+          f"groups /{groups}/)",
           file=sys.stderr, flush=True)
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():

@@ -9,6 +9,7 @@
 | POST /v1/requests           | 202 + id at once (default band BACKGROUND): for batch work              |
 | GET  /v1/requests/{id}      | its status (queued: position, ETA) and, once there, its answer          |
 | GET  /healthz               | 200 serving, 503 draining or not connected                              |
+| GET  /readyz                | the same judgement, for readiness probes                                |
 | GET  /metrics               | Prometheus: requests by route and status, latency, in flight, streams   |
 | /v1/files, /v1/batches      | OpenAI's Batch API (pipeline/serve/batch_api.py)                        |
 
@@ -337,12 +338,31 @@ class Server:
                 doc["error"] = error.body()["error"]
         return doc
 
+    def _not_serving(self) -> list[str]:
+        reasons = []
+        if self.draining:
+            reasons.append("draining: shutting down")
+        if not self.client.listening:
+            reasons.append("listener: no reply listener")
+        return reasons
+
     async def healthz(self, http: web.Request) -> web.Response:
-        ok = not self.draining and self.client.listening
-        doc = {"status": "ok" if ok else "draining" if self.draining else "no reply listener",
+        """Live: the reply listener runs. 503 while draining too, so that a load balancer that
+        probes only /healthz moves on."""
+        reasons = self._not_serving()
+        doc = {"status": "ok" if not reasons else "draining" if self.draining else "no reply listener",
                "reply_partitions": self.client.reply_partitions, "inflight": self.inflight,
                "tenants": len(self.registry.records())}
-        return _json(doc, status=200 if ok else 503)
+        if reasons:
+            doc["reasons"] = reasons
+        return _json(doc, status=503 if reasons else 200)
+
+    async def readyz(self, http: web.Request) -> web.Response:
+        """Ready: serving (not draining) with the reply listener up."""
+        reasons = self._not_serving()
+        if reasons:
+            return _json({"status": "not ready", "reasons": reasons}, status=503)
+        return _json({"status": "ok", "reply_partitions": self.client.reply_partitions})
 
 
 def _quiet(fut: asyncio.Future) -> None:
@@ -396,6 +416,7 @@ def build_app(server: Server, batches=None) -> web.Application:
     app.router.add_post("/v1/requests", server.submit)
     app.router.add_get("/v1/requests/{request_id}", server.status)
     app.router.add_get("/healthz", server.healthz)
+    app.router.add_get("/readyz", server.readyz)
     app.router.add_get("/metrics", metrics.view)
     return app
 

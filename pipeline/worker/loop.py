@@ -90,6 +90,10 @@ class Worker:
         self.coordinator = CoordinatorWatch(self.cfg.coordinator_stall_ms / 1000.0)
         self._stop = threading.Event()
         self._backend_full = False  # the last dispatch stopped because the backend had no room
+        #: For /healthz and /readyz (pipeline/worker/health.py), read from the metrics server's
+        #: thread: when the consume loop last turned, and the partitions assigned now.
+        self.turned_at: float | None = None
+        self.assigned: frozenset[tuple[str, int]] = frozenset()
 
     @property
     def consumer(self) -> Consumer | None:
@@ -216,7 +220,7 @@ class Worker:
                             "for %.0f s until the group says which partitions are still ours",
                             now - last_turn, _FROZEN_HOLD_S)
                 hold_until = now + _FROZEN_HOLD_S
-            last_turn = now
+            last_turn = self.turned_at = now
             stalled = self.coordinator.stalled_for()
             if stalled is not None:
                 log.error("the group coordinator has not been reachable for %.0f s (%s) although the consumer "
@@ -368,6 +372,7 @@ class Worker:
         self.metrics.rebalances.labels(self.metrics.pool).inc()
         self.flow.assignment_changed = True
         log.info("assigned %s", _fmt(partitions))
+        self.assigned = self.assigned | {(p.topic, p.partition) for p in partitions}
         self.checkpoint.assigned(consumer, partitions)
 
     def on_revoke(self, consumer, partitions) -> None:
@@ -376,6 +381,7 @@ class Worker:
         self.flow.assignment_changed = True
         revoked = {(p.topic, p.partition) for p in partitions}
         log.info("revoked %s", _fmt(partitions))
+        self.assigned = self.assigned - revoked
         self._give_up(revoked)
         self.recent.forget_answers(self.checkpoint.revoked(revoked))
 
@@ -384,6 +390,7 @@ class Worker:
         self.flow.assignment_changed = True
         log.warning("lost %s (session timed out?)", _fmt(partitions))
         lost = {(p.topic, p.partition) for p in partitions}
+        self.assigned = self.assigned - lost
         self._give_up(lost)
         self.recent.forget_answers(self.checkpoint.lost(lost))
 
