@@ -507,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "find the cluster by its data dir.")
     p.add_argument("action", choices=["up", "status", "down", "fetch"])
     p.add_argument("--nodes", type=int, help="up: nodes of a local replicated cluster (default 1: one broker; "
-                                             "topics then get RF = nodes and min.insync.replicas 2)")
+                                             "topics then get RF = nodes and min.insync.replicas nodes - 1, at most 2)")
     p.add_argument("--port", type=int, help="client port (default 9092; a cluster's nodes take the next ones; "
                                             "controllers get free ports)")
     p.add_argument("--data-dir", help="storage, logs and pid file (default .llmq/kafka)")
@@ -518,8 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_broker)
 
     p = command("topics", "create the pipeline's topics (idempotent, verifies partition counts)",
-                "Creates the request, dispatch, response, dead-letter and cancellation topics with the "
-                "partition counts and configs of the [topics] settings. Existing topics are left as they are; "
+                "Creates the request, dispatch, response, dead-letter, cancellation, streamed-chunk, "
+                "completion-receipt, batch-file, batch and model-catalog topics with the partition counts and configs of the [topics] settings. Existing topics are left as they are; "
                 "one whose partition count differs is reported as MISMATCH and the exit status is 2 (llmq never "
                 "adds partitions: that would remap tenants' keys).")
     p.add_argument("action", choices=["create"])
@@ -527,7 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_topics)
 
     p = command("worker", "consume requests, call the model backend, publish responses",
-                "An inference worker: a member of a consumer group over the request topics. It commits a "
+                "An inference worker: a member of a consumer group over the request topics (with --source "
+                "dispatch, the gateway's dispatch topics). It commits a "
                 "partition's offset only past requests whose responses the broker has acknowledged. SIGTERM "
                 "stops fetching, lets in-flight requests finish within worker.shutdown_grace_s, commits and "
                 "leaves the group.")
@@ -541,10 +542,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-latency-ms", type=float, help="simulated model: fixed latency per request")
     p.add_argument("--sim-ms-per-token", type=float, help="simulated model: extra latency per output token")
     p.add_argument("--max-inflight", type=int, help="requests in flight to the backend at once")
-    p.add_argument("--group", dest="group_id", help="consumer group (default llmq-workers)")
+    p.add_argument("--group", dest="group_id", help="consumer group (default llmq-workers; with --pool, llmq-pool-<pool>)")
     p.add_argument("--worker-id", help="identity written into responses (default host-pid)")
-    p.add_argument("--topics", help="comma-separated topics to consume (default: the five request topics)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT (default 9101; 0 = off)")
+    p.add_argument("--topics", help="comma-separated topics to consume (default: the pool's bands of the "
+                                          "--source topics)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics, /healthz and /readyz on PORT "
+                                                    "(default 9101; 0 = off)")
     p.add_argument("--metrics-addr", help="address to bind metrics to (default 127.0.0.1)")
     p.add_argument("--source", choices=["requests", "dispatch"],
                    help="dispatch: what the gateway admitted (llm.dispatch.<band>); requests (default): the "
@@ -558,8 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "file (deploy/llmq.toml documents every key). Workers behind it run with --source dispatch. GET "
                 "/v1/queue on the web port shows per-band depth, drain rate and ETA; /metrics serves Prometheus "
                 "metrics. SIGTERM finishes the current batch, commits and leaves the group (a static member, "
-                "--instance-id, stays in it until gateway.session_timeout_ms, 10 s by default).")
-    p.add_argument("--web-port", type=int, help="port for /v1/queue and /metrics (default 6066; 0 = off)")
+                "--instance-id, stays in it until gateway.session_timeout_ms, 3 s by default).")
+    p.add_argument("--web-port", type=int, help="port for /v1/queue, /metrics, /healthz and /readyz (default 6066; 0 = off)")
     p.add_argument("--app-id", help="Faust app id: consumer group and changelog topic prefix (default llmq-gateway)")
     p.add_argument("--instance-id", help="static group membership (e.g. the pod name): restarted under the same id, "
                                          "the gateway takes its partitions back at once instead of waiting for its "
@@ -588,7 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("serve", "an OpenAI-compatible HTTP server in front of the request topics",
                 "Serves POST /v1/chat/completions and /v1/completions (answered when the answer comes, or "
                 "\"stream\": true for Server-Sent Events), GET /v1/models, POST /v1/requests (202 and an id, for "
-                "batch work; BACKGROUND by default) with GET /v1/requests/{id}, and /healthz. Callers authenticate "
+                "batch work; BACKGROUND by default) with GET /v1/requests/{id}, /healthz, /readyz and /metrics. "
+                "Callers authenticate "
                 "with Authorization: Bearer <key>; the key names the tenant (llmq tenants set --key-file), whose "
                 "registry record sets its tier, the highest band it may ask for (x-llmq-priority or "
                 "metadata.priority) and its models. Answers come back on this process's own reply partitions "
@@ -638,8 +642,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "the scrape rate.")
     p.add_argument("--groups", default=r"^llmq-", help="regex of consumer groups to export (default ^llmq-)")
     p.add_argument("--interval", type=float, default=15.0, help="seconds between admin API reads (default 15)")
-    p.add_argument("--metrics-port", type=int, default=9102)
-    p.add_argument("--metrics-addr", default="127.0.0.1")
+    p.add_argument("--metrics-port", type=int, default=9102,
+                   help="serve /metrics, /healthz and /readyz on PORT (default 9102)")
+    p.add_argument("--metrics-addr", default="127.0.0.1",
+                   help="address to bind to (default 127.0.0.1; 0.0.0.0 in a container)")
     p.set_defaults(func=cmd_lag_exporter)
 
     _dlq_parser(command)

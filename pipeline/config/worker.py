@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pipeline.config.fields import is_http_url, non_negative, parse_routes, positive
@@ -166,6 +167,15 @@ class WorkerSettings:
         if self.group_id != WorkerSettings.group_id:
             return [self.group_id]
         return [self.group_id, *(f"llmq-pool-{pool}" for pool in DEFAULT_POOLS if pool != "all")]
+
+    def api_key(self) -> str:
+        """The model servers' API key: from ``openai_api_key_file`` when set, else ``openai_api_key``."""
+        if self.openai_api_key_file:
+            try:
+                return Path(self.openai_api_key_file).expanduser().read_text().strip()
+            except OSError as exc:
+                raise ConfigError("worker.openai_api_key_file", f"cannot read it: {exc.strerror}") from None
+        return self.openai_api_key
 
     def effective_group_id(self) -> str:
         if self.pool != "all" and self.group_id == WorkerSettings.group_id:

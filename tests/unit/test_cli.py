@@ -135,3 +135,20 @@ def test_maven_progress_of_a_fetch_from_its_cache():
     counter.line("[INFO] Copying kafka_2.13-4.4.0.jar to /x/kafka_2.13-4.4.0.jar")
     counter.done()
     assert said == ["  Maven: 1 jar copied (all from Maven's cache)"]
+
+
+def test_topics_help_names_every_kind_of_topic_it_creates(capsys):
+    from pipeline.config import Settings
+    from pipeline.topics import pipeline_topics
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["topics", "--help"])
+    # argparse wraps at hyphens too: "dead-" and "letter" may land on two lines
+    text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")
+    roles = {s.role.split()[-1] for s in pipeline_topics(Settings())}  # "streamed chunks" -> "chunks"
+    words = {"requests": "request", "admitted": "dispatch", "responses": "response", "letters": "dead-letter",
+             "cancellations": "cancellation", "chunks": "streamed-chunk", "receipts": "completion-receipt",
+             "files": "batch-file", "batches": "batch", "catalog": "model-catalog"}
+    assert roles <= set(words), f"a kind of topic the help does not know: {roles - set(words)}"
+    for role in roles:
+        assert words[role] in text, f"`llmq topics --help` does not name the {role} topics"

@@ -341,13 +341,14 @@ def _pod_targets(kind: str, name: str) -> list[tuple[dict, dict]]:
     return out
 
 
-def test_kubernetes_pod_discovery_finds_the_gateway_and_the_workers_under_the_job_names():
+def test_kubernetes_pod_discovery_finds_every_process_under_its_job_name():
     config = _load_yaml(PROM / "prometheus-kubernetes.yml")
     assert sorted(config["rule_files"]) == sorted(p.name for p in RULE_FILES)
     (job,) = config["scrape_configs"]
     rules = job["relabel_configs"]
     found = {}
-    for kind, name in (("StatefulSet", "gateway.yaml"), ("Deployment", "workers.yaml")):
+    for kind, name in (("StatefulSet", "gateway.yaml"), ("Deployment", "workers.yaml"), ("Deployment", "serve.yaml"),
+                       ("Deployment", "lag-exporter.yaml")):
         for meta, container in _pod_targets(kind, name):
             labels = {"__address__": "10.0.0.7", "__metrics_path__": "/metrics", "job": job["job_name"],
                       "__meta_kubernetes_pod_name": meta["labels"]["app.kubernetes.io/name"] + "-0",
@@ -362,7 +363,7 @@ def test_kubernetes_pod_discovery_finds_the_gateway_and_the_workers_under_the_jo
             assert int(target["__address__"].rsplit(":", 1)[1]) in ports, name
             assert target["__metrics_path__"] == "/metrics"
             found[target["job"]] = target
-    assert set(found) == {"llmq-gateway", "llmq-workers"}
+    assert set(found) == set(JOBS)
     # An unrelated pod is not scraped.
     assert _relabel(rules, {"__address__": "10.0.0.8", "__meta_kubernetes_pod_annotation_prometheus_io_scrape": "true"}) is None
 
@@ -379,8 +380,8 @@ def test_k8s_gateway_serves_metrics_where_its_annotations_say():
     """deploy/k8s/gateway.yaml: scrape annotations, containerPort and the gateway's own web settings agree."""
     (meta, container), = _pod_targets("StatefulSet", "gateway.yaml")
     annotations = meta["annotations"]
-    env = {e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e}
-    settings = Settings.load(env=env)
+    env = {e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e and e["name"] != "LLMQ_CONFIG"}
+    settings = Settings.load(ROOT / "deploy" / "llmq.toml", env=env)
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/path"] == "/metrics"
     assert int(annotations["prometheus.io/port"]) == settings.gateway.web_port == 6066
@@ -869,7 +870,8 @@ def _deployments() -> dict[str, dict]:
 
 def _container_env(deployment: dict) -> dict[str, str]:
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    return {e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e}
+    # LLMQ_CONFIG names the ConfigMap made from deploy/llmq.toml (test_deploy_files.py checks the mount).
+    return {e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e and e["name"] != "LLMQ_CONFIG"}
 
 
 def test_worker_deployments():

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pipeline.config import ModelSettings, WorkerSettings
 from pipeline.worker.backends.base import Backend
 
@@ -15,8 +13,7 @@ def make_backend(cfg: WorkerSettings, models: ModelSettings | None = None) -> Ba
         from pipeline.worker.backends.pacing import PacingConfig
         from pipeline.worker.backends.routing import RoutingTable
 
-        key = Path(cfg.openai_api_key_file).expanduser().read_text().strip() if cfg.openai_api_key_file \
-            else cfg.openai_api_key
+        key = cfg.api_key()
         max_connections = max(8, cfg.max_inflight)
         names = {"aliases": models.aliases, "default": models.default} if models is not None else {}
         routes = RoutingTable.parse(cfg.openai_routes, **names) if cfg.openai_routes.strip() \

@@ -63,3 +63,16 @@ def test_the_deployed_config_lists_every_backend_setting_with_its_default():
     for key in ("openai_routes", "backend_pacing", "backend_initial_inflight", "backend_metrics_interval_ms",
                 "backend_metrics_stale_ms", "backend_stream", "backend_prefer_real_usage"):
         assert worker[key] == getattr(defaults, key), key
+
+
+def test_a_missing_api_key_file_is_a_config_error_naming_the_setting_not_the_path(tmp_path):
+    from pipeline.errors import ConfigError
+
+    s = Settings.load(env={})
+    s.worker.backend, s.worker.openai_api_key_file = "openai", str(tmp_path / "secret" / "model.key")
+    with pytest.raises(ConfigError) as err:
+        make_backend(s.worker)
+    assert err.value.key == "worker.openai_api_key_file" and str(tmp_path) not in str(err.value)
+    (tmp_path / "model.key").write_text("sk-123\n")
+    s.worker.openai_api_key_file = str(tmp_path / "model.key")
+    assert s.worker.api_key() == "sk-123"
