@@ -87,11 +87,9 @@ class WorkerSettings:
     #: statistics) has not been up for this long is replaced: a new session, new clients, from
     #: the committed offsets (pipeline/worker/coordinator_watch.py). 0 = never.
     coordinator_stall_ms: int = 30_000
-    #: Liveness (GET /healthz on metrics_port): an assigned partition with records waiting, not
-    #: paused for backpressure, and nothing consumed from it for this long is stalled; so is a
-    #: loop that has not turned for this long. A stall starts a new session (new clients, from the
-    #: committed offsets); one that outlasts it stops the process for its supervisor to restart.
-    #: 0 = no progress watch.
+    #: Liveness (GET /healthz on metrics_port): a consume loop that has not turned for this long
+    #: is stuck (it turns while partitions are paused for backpressure and while model calls run),
+    #: and the probe's supervisor restarts the process (pipeline/worker/health.py). 0 = no watch.
     stall_s: float = 60.0
     #: Consumer group protocol. "consumer" (KIP-848, brokers >= Kafka 4.0): the broker assigns
     #: partitions, incrementally, with group_remote_assignor. "classic" (older brokers):
