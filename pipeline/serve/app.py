@@ -284,7 +284,7 @@ class Server:
         caller = self.auth.caller(http.headers)
         body = await self.body(http)
         kind = CHAT if isinstance(body, dict) and "messages" in body else COMPLETION
-        parsed = parse_body(body, kind, self.cfg.default_max_tokens, model_required=False)
+        parsed = parse_body(body, kind, self.cfg.default_max_tokens)
         if parsed.stream:
             raise bad_request("stream is not available for /v1/requests (poll GET /v1/requests/{id})", "stream")
         req = self.request(caller, parsed, http.headers, Priority.BACKGROUND, notify_queued=True)

@@ -109,11 +109,9 @@ def parse_priority(text: str, param: str) -> Priority:
         raise bad_request(f"{param} must be one of {', '.join(Priority.__members__)}", param) from None
 
 
-def parse_body(body: Any, kind: str, default_max_tokens: int, *, model_required: bool = True) -> Parsed:
-    """The checked body of a chat (``CHAT``) or completion (``COMPLETION``) request.
-
-    ``model_required``: OpenAI's routes require a model; llmq's own ``/v1/requests`` takes a
-    body without one (it runs on the default model)."""
+def parse_body(body: Any, kind: str, default_max_tokens: int) -> Parsed:
+    """The checked body of a chat (``CHAT``) or completion (``COMPLETION``) request. A body that
+    names no model runs on the default model (pipeline/catalog/), as the servers list it."""
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
     for key in _UNSUPPORTED:
@@ -123,10 +121,10 @@ def parse_body(body: Any, kind: str, default_max_tokens: int, *, model_required:
     if n not in (None, 1):
         raise bad_request("n must be 1 (llmq answers once per request)", "n", "unsupported_parameter")
     model = body.get("model")
-    if model is None and not model_required:
+    if model is None:
         model = ""
-    elif not isinstance(model, str) or not model:
-        raise bad_request("model is required", "model")
+    elif not isinstance(model, str):
+        raise bad_request("model must be a string", "model")
     fields: dict[str, Any] = {}
     if kind == CHAT:
         fields["messages"] = _messages(body)

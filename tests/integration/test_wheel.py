@@ -7,10 +7,6 @@ is a 404, as vLLM answers), and `llmq serve`; then one request through each entr
 (in the fresh venv's python), `llmq submit` over Kafka, `llmq submit --via` serve, and the official
 `openai` client against serve. No model is named anywhere: a request without one gets the model
 the server serves.
-
-NAME_THE_MODEL (env LLMQ_WHEEL_TEST_NAME_THE_MODEL=1) names the served model explicitly
-everywhere instead (the tenant's model list included, which serve's /v1/models shows it): the
-same run without depending on how unnamed models are resolved.
 """
 
 from __future__ import annotations
@@ -40,15 +36,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "pipeline", "schemas")
 #: The one model name the OpenAI-compatible server answers to
 SERVED_MODEL = "wheel-served-model"
-#: True: every request names SERVED_MODEL; False (the issue's must-show): none names a model
-NAME_THE_MODEL = os.environ.get("LLMQ_WHEEL_TEST_NAME_THE_MODEL", "") == "1"
 TENANT = "wheel-tenant"
 #: Settings and interpreter variables of the test's own environment that would leak into the venv
 _NOT_INHERITED = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "VIRTUAL_ENV", "__PYVENV_LAUNCHER__")
-
-
-def _model_args() -> list[str]:
-    return ["--model", SERVED_MODEL] if NAME_THE_MODEL else []
 
 
 def _run(argv: list, *, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
@@ -198,8 +188,7 @@ def stack(work, venv):
         _run([llmq, "broker", "up", "--port", kafka_port, "--data-dir", data_dir], env=env, cwd=run)
         broker_started = True
         _run([llmq, "topics", "create"], env=env, cwd=run)
-        # NAME_THE_MODEL: the tenant's own model list is what serve's /v1/models shows it
-        _run([llmq, "tenants", "set", TENANT, "--tier", "standard", "--generate-key", key_file, *_model_args()],
+        _run([llmq, "tenants", "set", TENANT, "--tier", "standard", "--generate-key", key_file],
              env=env, cwd=run)
 
         sim_port, gateway_port, serve_port = free_port(), free_port(), free_port()
@@ -255,32 +244,32 @@ def test_the_commands_run_the_fresh_venvs_code_not_the_checkouts(stack, venv):
 
 
 def test_the_sdk_in_the_fresh_venv_gets_a_completed_answer(stack):
-    model = f", model={SERVED_MODEL!r}" if NAME_THE_MODEL else ""
     script = (
         "import json\n"
         "from pipeline.client import LlmqClient\n"
         "from pipeline.models import Request\n"
         "with LlmqClient.from_settings() as client:\n"
-        f"    response = client.submit_and_wait(Request.new({TENANT!r}, 'hello from the SDK'{model}), timeout=60)\n"
-        "print(json.dumps({'status': response.status.value, 'output': response.output, 'reason': response.reason}))\n"
+        f"    response = client.submit_and_wait(Request.new({TENANT!r}, 'hello from the SDK'), timeout=60)\n"
+        "print(json.dumps({'status': response.status.value, 'output': response.output, 'reason': response.reason,\n"
+        "                  'model': response.model}))\n"
     )
     out = _run([stack["python"], "-c", script], env=stack["env"], cwd=stack["run"], timeout=120)
     answer = json.loads(out.stdout.strip().splitlines()[-1])
     assert answer["status"] == "COMPLETED", answer
-    assert answer["output"]
+    assert answer["output"] and answer["model"] == SERVED_MODEL  # no model named: the one served
 
 
 def test_llmq_submit_over_kafka_is_completed(stack):
-    out = _run([stack["llmq"], "submit", "--tenant", TENANT, "--json", "--timeout", "60", *_model_args(),
+    out = _run([stack["llmq"], "submit", "--tenant", TENANT, "--json", "--timeout", "60",
                 "hello over Kafka"], env=stack["env"], cwd=stack["run"], timeout=120)
     response = json.loads(out.stdout.strip().splitlines()[-1])
     assert response["status"] == "COMPLETED", response
-    assert response["output"]
+    assert response["output"] and response["model"] == SERVED_MODEL
 
 
 def test_llmq_submit_via_serve_is_completed(stack):
     out = _run([stack["llmq"], "submit", "--via", stack["serve_url"], "--key-file", stack["key_file"], "--timeout",
-                "60", *_model_args(), "hello through serve"], env=stack["env"], cwd=stack["run"], timeout=120)
+                "60", "hello through serve"], env=stack["env"], cwd=stack["run"], timeout=120)
     assert out.stdout.startswith("COMPLETED: ") and len(out.stdout) > len("COMPLETED: \n"), out.stdout
 
 
@@ -289,7 +278,7 @@ def test_the_openai_client_gets_an_answer_from_the_model_serve_lists(stack):
                            max_retries=0, timeout=60)
     listed = [m.id for m in client.models.list()]
     assert SERVED_MODEL in listed, listed
-    model = SERVED_MODEL if NAME_THE_MODEL else listed[0]
+    model = listed[0]
     resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello, openai"}],
                                           max_tokens=16)
     assert resp.object == "chat.completion" and resp.model == model

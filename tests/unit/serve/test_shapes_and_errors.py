@@ -36,7 +36,7 @@ def test_completion_bodies_take_one_prompt_and_a_default_max_tokens():
     ({"model": "m", "messages": []}, "messages"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ({"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0]"),
-    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+    ({"model": 7, "messages": [{"role": "user", "content": "x"}]}, "model"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
@@ -119,3 +119,8 @@ def test_a_kept_result_reports_its_answer_once_there():
     answer = _done(Request.new("acme", "p"))
     fut.set_result(answer)
     assert entry.response() is answer
+
+
+def test_a_body_without_a_model_runs_on_the_default():
+    parsed = parse_body({"messages": [{"role": "user", "content": "x"}]}, CHAT, 16)
+    assert parsed.model == ""
