@@ -15,7 +15,8 @@ An OpenAI-compatible model server that behaves like vLLM under load, without a m
 
 It serves POST /v1/chat/completions and /v1/completions (streamed or not), GET /v1/models,
 GET /health and GET /metrics (vllm:num_requests_running, vllm:num_requests_waiting,
-vllm:kv_cache_usage_perc, vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds, ...).
+vllm:kv_cache_usage_perc, vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total,
+vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds, ...).
 
 Scheduling, as vLLM's: at most --max-num-seqs requests run at once, the rest wait in one
 first-come-first-served queue; a waiting request joins the running batch at the next
@@ -24,7 +25,11 @@ emits one token. A step with B running requests, of which the joiners J are pref
 
     ms_per_token * (1 + batch_slowdown * (B - 1))  +  sum over J of (ttft_ms + prefill_ms_per_token * prompt_tokens)
 
-so time per token and time to first token both grow with the batch. Answers are
+so time per token and time to first token both grow with the batch. Prefix caching, as
+vLLM's: prompts are cut into 16-token blocks with chained hashes; a joiner's prefill skips
+the blocks at its prompt's start still cached (prompt_tokens above counts only the others;
+usage.prompt_tokens_details.cached_tokens says how many were cached); finished requests'
+blocks stay cached until the KV cache needs their room, least recently used first. Answers are
 deterministic words chosen from the model name, the prompt and the token's position.
 """
 
@@ -53,6 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="KV cache size in tokens; a request reserves prompt + max_tokens when it joins "
                         "(default max-num-seqs x max-model-len, so only slots limit the batch)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="prefill every prompt in full (vLLM's --no-enable-prefix-caching)")
+    p.add_argument("--kv-usage-counts-cached", action="store_true",
+                   help="report cached blocks no request holds as used in vllm:kv_cache_usage_perc (vLLM "
+                        "counts them as free), so a full cache reads full while nothing runs: for tests")
     p.add_argument("--output-tokens", type=int, default=None,
                    help="natural answer length: answers end with finish_reason stop after this many tokens "
                         "(default: every answer runs to max_tokens, finish_reason length)")
@@ -63,7 +73,9 @@ def config_from_args(args: argparse.Namespace) -> SimulatorConfig:
     kv = args.kv_cache_tokens or args.max_num_seqs * args.max_model_len
     engine = EngineConfig(max_num_seqs=args.max_num_seqs, ttft_ms=args.ttft_ms, ms_per_token=args.ms_per_token,
                           batch_slowdown=args.batch_slowdown, prefill_ms_per_token=args.prefill_ms_per_token,
-                          kv_cache_tokens=kv, max_model_len=args.max_model_len)
+                          kv_cache_tokens=kv, max_model_len=args.max_model_len,
+                          prefix_caching=not args.no_prefix_caching,
+                          kv_usage_counts_cached=args.kv_usage_counts_cached)
     return SimulatorConfig(engine=engine, served_model_names=tuple(args.served_model_name),
                            output_tokens=args.output_tokens)
 

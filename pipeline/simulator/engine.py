@@ -11,7 +11,11 @@ What it models (vLLM's documented behaviour, simplified):
   preempts and recomputes when decoding runs out of blocks);
 * every step, each running sequence that has been prefilled emits one token; a joining
   request's prefill is done in its first step, which also emits its first token (vLLM's
-  chunked prefill mixes prefill and decode in one step).
+  chunked prefill mixes prefill and decode in one step);
+* automatic prefix caching (``prefix_caching``, on as in vLLM): a joiner's prefill skips the
+  blocks of its prompt the cache still holds (:mod:`prefix_cache`: 16-token blocks, chained
+  hashes, least recently used free blocks evicted), and ``prompt_tokens`` in the step's cost
+  below are only its uncached ones.
 
 Step duration, for a batch of ``B`` running sequences of which ``J`` join in this step::
 
@@ -35,6 +39,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pipeline.simulator.prefix_cache import BLOCK_TOKENS, PrefixCache
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -46,6 +52,11 @@ class EngineConfig:
     #: KV cache capacity in tokens (prompt + max_tokens reserved per running request).
     kv_cache_tokens: int = 16 * 4096
     max_model_len: int = 4096
+    #: Reuse cached prompt blocks (vLLM's automatic prefix caching, on by default in vLLM).
+    prefix_caching: bool = True
+    #: Report cached blocks nobody holds as used in kv_cache_usage_perc (vLLM counts them as
+    #: free): a cache that fills up then reads full while the server runs nothing. For tests.
+    kv_usage_counts_cached: bool = False
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -75,6 +86,10 @@ class Sequence:
     first_token_at: float | None = None
     finished_at: float | None = None
     aborted: bool = False
+    #: The chained hashes of the prompt's full blocks (prefix_cache.block_hashes).
+    blocks: tuple[int, ...] = ()
+    #: Prompt tokens found in the prefix cache when it joined.
+    cached_tokens: int = 0
 
     @property
     def kv_tokens(self) -> int:
@@ -109,6 +124,7 @@ class Engine:
         self.steps = 0
         self.max_waiting_seen = 0
         self.max_running_seen = 0
+        self.cache = PrefixCache(config.kv_cache_tokens // BLOCK_TOKENS) if config.prefix_caching else None
 
     # -- what the server reads ------------------------------------------------
     @property
@@ -122,7 +138,10 @@ class Engine:
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of the KV cache in use, 0..1 (``vllm:kv_cache_usage_perc``)."""
-        return self.kv_used / self.config.kv_cache_tokens
+        used = self.kv_used
+        if self.config.kv_usage_counts_cached and self.cache is not None:
+            used += self.cache.free_cached * BLOCK_TOKENS
+        return min(1.0, used / self.config.kv_cache_tokens)
 
     @property
     def idle(self) -> bool:
@@ -144,7 +163,7 @@ class Engine:
         seq.aborted = True
         if seq in self.running:
             self.running.remove(seq)
-            self.kv_used -= seq.kv_tokens
+            self._leave(seq)
         else:
             try:
                 self.waiting.remove(seq)
@@ -162,9 +181,23 @@ class Engine:
             self.waiting.popleft()
             head.joined_at = now
             self.kv_used += head.kv_tokens
+            if self.cache is not None:
+                head.cached_tokens = self.cache.acquire(head.blocks, head.prompt_tokens)
             self.running.append(head)
             joined.append(head)
+        if joined and self.cache is not None:
+            self.cache.trim(self._room_blocks())
         return joined
+
+    def _room_blocks(self) -> int:
+        """Blocks the running requests leave for cached free ones."""
+        return self.config.kv_cache_tokens // BLOCK_TOKENS - -(-self.kv_used // BLOCK_TOKENS)
+
+    def _leave(self, seq: Sequence) -> None:
+        self.kv_used -= seq.kv_tokens
+        if self.cache is not None:
+            self.cache.release(seq.blocks)
+            self.cache.trim(self._room_blocks())
 
     def step(self, now: float) -> StepResult | None:
         """Plan the next step starting at ``now``; ``None`` when there is nothing to run.
@@ -180,7 +213,8 @@ class Engine:
             return None
         self.steps += 1
         self.max_running_seen = max(self.max_running_seen, len(self.running))
-        duration = self.config.step_ms(len(self.running), [s.prompt_tokens for s in joined]) / 1000.0
+        uncached = [s.prompt_tokens - s.cached_tokens for s in joined]
+        duration = self.config.step_ms(len(self.running), uncached) / 1000.0
         return StepResult(now, duration, joined, [(s, s.generated) for s in self.running])
 
     def finish_step(self, result: StepResult) -> StepResult:
@@ -199,7 +233,7 @@ class Engine:
         result.tokens = emitted
         for seq in result.finished:
             self.running.remove(seq)
-            self.kv_used -= seq.kv_tokens
+            self._leave(seq)
         return result
 
     def run_until_idle(self, now: float = 0.0, max_steps: int = 1_000_000) -> float:

@@ -42,6 +42,12 @@ class EngineMetrics:
                                labels, registry=r).labels(model_name)
         self._generated = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
                                   labels, registry=r).labels(model_name)
+        # vLLM counts both in tokens: looked up in the prefix cache, and found there.
+        self._prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                       "queried tokens.", labels, registry=r).labels(model_name)
+        self._prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                    "tokens.", labels, registry=r).labels(model_name)
+        self._exported = (0, 0)
 
     def finished(self, seq: Sequence) -> None:
         self._success.inc()
@@ -58,4 +64,10 @@ class EngineMetrics:
         self._running.set(self.engine.num_running)
         self._waiting.set(self.engine.num_waiting)
         self._kv.set(self.engine.kv_cache_usage)
+        cache = self.engine.cache
+        if cache is not None:
+            queries, hits = self._exported
+            self._prefix_queries.inc(cache.queries - queries)
+            self._prefix_hits.inc(cache.hits - hits)
+            self._exported = (cache.queries, cache.hits)
         return generate_latest(self.registry)

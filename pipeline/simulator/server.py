@@ -3,7 +3,8 @@
 Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (whole answers, or
 server-sent events ``data: {chunk}`` ending in ``data: [DONE]``, with a last usage chunk
 when ``stream_options.include_usage`` is set), ``GET /v1/models``, ``GET /metrics``
-(vLLM's names) and ``GET /health``. Errors are OpenAI-style ``{"error": {...}}`` bodies:
+(vLLM's names) and ``GET /health``. Usage carries ``prompt_tokens_details.cached_tokens``, the
+prompt tokens the prefix cache held (:mod:`prefix_cache`). Errors are OpenAI-style ``{"error": {...}}`` bodies:
 404 for a model it does not serve, 400 for a malformed body or a request longer than
 ``max_model_len``. A client that disconnects is aborted and leaves the batch at once.
 """
@@ -21,6 +22,7 @@ from aiohttp import web
 
 from pipeline.simulator.engine import Engine, EngineConfig, Sequence
 from pipeline.simulator.metrics import CONTENT_TYPE, EngineMetrics
+from pipeline.simulator.prefix_cache import block_hashes
 from pipeline.simulator.text import answer_seed, count_prompt_tokens, token_text
 
 
@@ -244,16 +246,19 @@ class SimulatorServer:
         except _BadRequest as exc:
             return _error(exc.status, exc.message, exc.kind)
         loop = asyncio.get_running_loop()
-        seq = Sequence(uuid.uuid4().hex, prompt_tokens, n, loop.time())
+        blocks = block_hashes(prompt) if self.config.engine.prefix_caching else ()
+        seq = Sequence(uuid.uuid4().hex, prompt_tokens, n, loop.time(), blocks=blocks)
         queue = self._driver.submit(seq)
         seed = answer_seed(model, prompt)
         ident = ("chatcmpl-" if chat else "cmpl-") + seq.request_id
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
+                 "prompt_tokens_details": {"cached_tokens": 0}}
         try:
             if not stream:
                 text = []
                 while (index := await queue.get()) is not None:
                     text.append(token_text(seed, index))
+                usage["prompt_tokens_details"]["cached_tokens"] = seq.cached_tokens
                 choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(text)},
                            "finish_reason": finish} if chat else
                           {"index": 0, "text": "".join(text), "finish_reason": finish})
@@ -290,6 +295,7 @@ class SimulatorServer:
                 extra = {"usage": None} if include_usage else {}
                 await resp.write(chunk([choice], **extra))
             if include_usage:
+                usage["prompt_tokens_details"]["cached_tokens"] = seq.cached_tokens
                 await resp.write(chunk([], usage=usage))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
