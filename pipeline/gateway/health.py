@@ -25,7 +25,7 @@ from pipeline.observability.health import Health, Pending
 log = logging.getLogger(__name__)
 
 #: How long an orderly stop after a stall may take before the process exits regardless.
-EXIT_GRACE_S = 30.0
+EXIT_GRACE_S = 10.0
 #: Exit status of a stalled gateway whose orderly stop hung (EX_SOFTWARE).
 EXIT_STALLED = 70
 #: Outputs (librdkafka, message.timeout.ms of a minute) outstanding with none acknowledged for this long.

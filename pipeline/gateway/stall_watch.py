@@ -41,6 +41,10 @@ from pipeline.observability.health import Events, PartitionProgress
 log = logging.getLogger(__name__)
 
 CAUSE = "fetch_stalled"
+#: A rebalance (not counting table recovery, which RecoveryWatch watches) that has not ended after
+#: this long plus stall_s has hung: seen in make chaos-like faults when Faust's commit at the
+#: revocation waits on a frozen node. Longer than any rebalance within the session timeouts.
+REBALANCE_S = 60.0
 
 Key = tuple[str, int]
 
@@ -55,7 +59,12 @@ class EndOffsets:
         self.deliver = deliver
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.isolation = IsolationLevel.READ_COMMITTED if read_committed else IsolationLevel.READ_UNCOMMITTED
-        self.admin = AdminClient({**settings.kafka.admin_config(), "client.id": "llmq-gateway-ends"})
+        # Short socket and metadata timeouts: a request to a frozen leader fails within
+        # ``timeout_s`` (librdkafka's default is a minute), and a moved leader is found soon.
+        ms = int(timeout_s * 1000)
+        self._config = {**settings.kafka.admin_config(), "client.id": "llmq-gateway-ends", "socket.timeout.ms": ms,
+                        "topic.metadata.refresh.interval.ms": ms}
+        self.admin = AdminClient(self._config)
         #: Replaced (never changed in place) by the event loop.
         self.wanted: frozenset[Key] = frozenset()
         self._stop = threading.Event()
@@ -90,6 +99,10 @@ class EndOffsets:
                 continue  # its leader is away: this partition is judged on the next reading
             if offset >= 0:  # librdkafka's OFFSET_INVALID (-1001) when it got no answer
                 ends[(tp.topic, tp.partition)] = offset
+        if len(ends) < len(wanted):
+            # Seen with a frozen leader: the client kept asking it, its metadata never refreshed,
+            # while the partitions had moved. A new client asks the cluster where they are now.
+            self.admin = AdminClient(self._config)
         return ends
 
 
@@ -105,6 +118,8 @@ class StallWatch:
         self._end: dict[Key, int] = {}
         self._position: dict[Key, int] = {}
         self._gave_up = False
+        #: Since when Faust has been rebalancing (table recovery aside), for REBALANCE_S.
+        self._rebalancing_since: float | None = None
 
     @property
     def interval_s(self) -> float:
@@ -119,7 +134,16 @@ class StallWatch:
         self._end.update(ends)
 
     def reason(self) -> str | None:
-        return self.progress.reason(name=lambda k: f"{k[0]}[{k[1]}]")
+        return self.rebalance_hung() or self.progress.reason(name=lambda k: f"{k[0]}[{k[1]}]")
+
+    def rebalance_hung(self) -> str | None:
+        since = self._rebalancing_since
+        if since is None:
+            return None
+        seconds = self.clock() - since
+        if seconds < REBALANCE_S + self.progress.stall_s:
+            return None
+        return f"a rebalance has not ended for {seconds:.0f} s"
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.ends is not None:
@@ -144,7 +168,18 @@ class StallWatch:
         for key in [k for k in self._position if k not in assigned]:
             del self._position[key]
         # Faust pauses the partitions while it rebalances and recovers the tables: no stall then.
-        held = bool(self.app.rebalancing or self.app.tables.recovery.in_recovery)
+        recovering = bool(self.app.tables.recovery.in_recovery)
+        held = bool(self.app.rebalancing or recovering)
+        if self.app.rebalancing and not recovering:
+            if self._rebalancing_since is None:
+                self._rebalancing_since = self.clock()
+        else:
+            self._rebalancing_since = None
+        hung = self.rebalance_hung()
+        if hung is not None and not self._gave_up:
+            self._gave_up = True
+            self.events.stalled("rebalance_hung", hung)
+            self.give_up(hung)
         positions: dict[Key, int] = {}
         for key in assigned:
             try:

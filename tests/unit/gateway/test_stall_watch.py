@@ -90,3 +90,18 @@ def test_no_stall_while_faust_recovers_or_rebalances():
         clock.now = step * 5.0
         asyncio.run(watch.check())
     assert watch.reason() is None and not consumer.sought
+
+
+def test_a_rebalance_that_never_ends_is_not_live():
+    from pipeline.gateway.stall_watch import REBALANCE_S
+
+    watch, consumer, clock, metrics, gave_up = make({("req", 0): 0})
+    watch.app.rebalancing = True
+    asyncio.run(watch.check())
+    clock.now = REBALANCE_S
+    asyncio.run(watch.check())
+    assert watch.reason() is None and not gave_up
+    clock.now = REBALANCE_S + 6.0
+    asyncio.run(watch.check())
+    assert "rebalance has not ended" in watch.reason() and gave_up
+    assert metrics.health_stalls.children[("rebalance_hung",)].value == 1
