@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from pathlib import Path
 from typing import Any, Mapping
 
 from pipeline.errors import ConfigError
 from pipeline.models import Priority
 
 BAND_NAMES = ", ".join(Priority.__members__)
+
+
+def read_secret_file(key: str, path: str) -> str:
+    """The secret in the file setting ``key`` names, stripped; a ConfigError naming the setting
+    (not the path, which may be a mounted secret's) when it cannot be read."""
+    try:
+        return Path(path).expanduser().read_text().strip()
+    except OSError as exc:
+        raise ConfigError(key, f"cannot read it: {exc.strerror}") from None
 
 
 def positive(key: str, value: float) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.config.fields import read_secret_file
 from pipeline.errors import ConfigError
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
@@ -58,10 +59,7 @@ class KafkaSettings:
 
     def password(self) -> str:
         if self.sasl_password_file:
-            try:
-                return Path(self.sasl_password_file).expanduser().read_text().strip()
-            except OSError as exc:
-                raise ConfigError("kafka.sasl_password_file", f"cannot read it: {exc.strerror}") from None
+            return read_secret_file("kafka.sasl_password_file", self.sasl_password_file)
         return self.sasl_password
 
     def common_config(self) -> dict[str, Any]:

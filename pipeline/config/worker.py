@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from pipeline.config.fields import is_http_url, non_negative, parse_routes, positive
+from pipeline.config.fields import is_http_url, non_negative, parse_routes, positive, read_secret_file
 from pipeline.config.topics import DEFAULT_POOLS
 from pipeline.errors import ConfigError
 from pipeline.models import Priority
@@ -169,10 +168,7 @@ class WorkerSettings:
     def api_key(self) -> str:
         """The model servers' API key: from ``openai_api_key_file`` when set, else ``openai_api_key``."""
         if self.openai_api_key_file:
-            try:
-                return Path(self.openai_api_key_file).expanduser().read_text().strip()
-            except OSError as exc:
-                raise ConfigError("worker.openai_api_key_file", f"cannot read it: {exc.strerror}") from None
+            return read_secret_file("worker.openai_api_key_file", self.openai_api_key_file)
         return self.openai_api_key
 
     def effective_group_id(self) -> str:
