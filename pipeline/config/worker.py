@@ -75,6 +75,24 @@ class WorkerSettings:
     #: requests that are not streamed, so that their token counts are the server's own rather
     #: than llmq's estimate.
     backend_prefer_real_usage: bool = True
+    #: Route by prefix cache (docs/workers.md, "Routing by cache"): a call goes to the server of
+    #: its model most likely to hold its prompt's start (the placement every worker computes
+    #: alike from the conversation or prompt_cache_key, and this worker's index of what each
+    #: server was sent), within a load bound. false: a free slot and the fewest calls in flight.
+    backend_prefix_affinity: bool = True
+    #: The load bound: no server above (1 + epsilon) of its fair share of the calls...
+    backend_affinity_epsilon: float = 0.25
+    #: ...except that a server may always hold this many (the bound at low load).
+    backend_affinity_bound_floor: int = 4
+    #: How long a request whose prefix a busy server holds may wait for a slot there before it
+    #: goes to another server and recomputes its prefix (one-off prompts never wait).
+    backend_affinity_wait_ms: int = 250
+    #: Characters per hashed prompt block of the index (about 64 tokens).
+    backend_affinity_block_chars: int = 256
+    #: Blocks the index remembers per server (least recently sent forgotten first), and how
+    #: long an entry counts (servers evict; their answers' cached_tokens correct it too).
+    backend_affinity_index_blocks: int = 65536
+    backend_affinity_ttl_s: float = 120.0
     #: librdkafka max.poll.interval.ms for workers; the loop never blocks on the backend.
     max_poll_interval_ms: int = 300_000
     #: How long a silent (crashed, frozen) worker keeps its partitions before the group moves them.
@@ -255,6 +273,14 @@ class WorkerSettings:
                 raise ConfigError("worker.openai_routes", f"{exc} (expected MODEL=URL[,URL];*=URL)") from None
         for key in ("backend_initial_inflight", "backend_metrics_interval_ms", "backend_metrics_stale_ms"):
             positive(f"worker.{key}", getattr(self, key))
+        for key in ("backend_affinity_epsilon", "backend_affinity_bound_floor", "backend_affinity_block_chars",
+                    "backend_affinity_index_blocks", "backend_affinity_ttl_s"):
+            positive(f"worker.{key}", getattr(self, key))
+        if self.backend_affinity_block_chars < 16:
+            raise ConfigError("worker.backend_affinity_block_chars",
+                              f"must be at least 16, got {self.backend_affinity_block_chars}")
+        if self.backend_affinity_wait_ms < 0:
+            raise ConfigError("worker.backend_affinity_wait_ms", f"must not be negative, got {self.backend_affinity_wait_ms}")
         if self.backend_metrics_stale_ms <= self.backend_metrics_interval_ms:
             raise ConfigError("worker.backend_metrics_stale_ms",
                               f"must be more than backend_metrics_interval_ms ({self.backend_metrics_interval_ms}), "

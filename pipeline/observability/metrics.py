@@ -211,6 +211,61 @@ def health_series() -> tuple[Counter, Counter]:
                                           "live and exited for its supervisor to restart it.", ["cause"]))
 
 
+#: Prompt tokens a server had cached for one call: none, a block, a system prompt, a history.
+CACHED_TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+class RoutingSeries:
+    """How the OpenAI backend chose servers and what their prefix caches held (labels: the
+    configured servers, a bounded set). One per process by default (:func:`routing_series`):
+    the backend is made before the worker's metrics and records into these, which every
+    :class:`WorkerMetrics` exports."""
+
+    def __init__(self) -> None:
+        self.routes = Counter("llmq_backend_routes", "Calls sent to each model server, by why it was chosen: prefix "
+                                                     "(its cache holds the prompt's start), home (the prompt's "
+                                                     "placement), spill (another was at its load bound or had no "
+                                                     "slot), least_loaded (affinity off, or no server under the "
+                                                     "bound).", ["server", "reason"])
+        self.deferred = Counter("llmq_backend_route_deferrals", "Times a request waited for the busy server "
+                                                                "holding its prefix instead of going elsewhere.",
+                                ["server"])
+        self.prompt_tokens = Counter("llmq_backend_prompt_tokens", "Prompt tokens of answered calls, per server.",
+                                     ["server"])
+        self.cached_prompt_tokens = Counter("llmq_backend_cached_prompt_tokens",
+                                            "Prompt tokens the server reported found in its prefix cache "
+                                            "(usage.prompt_tokens_details.cached_tokens), per server.", ["server"])
+        self.cached_tokens = Histogram("llmq_backend_cached_tokens", "Cached prompt tokens per answered call, as "
+                                                                     "the server reported them.", [],
+                                       CACHED_TOKEN_BUCKETS)
+        self.server_hit_ratio = Gauge("llmq_backend_prefix_cache_hit_ratio",
+                                      "The server's own prefix-cache hit ratio (vllm:prefix_cache_hits over "
+                                      "queries, tokens) over its last window of queries.", ["server"])
+        self.kv_contradictions = Counter("llmq_backend_kv_contradictions",
+                                         "Samples in which a server's KV-cache reading said full while it ran "
+                                         "nothing and llmq had nothing in flight there (the reading is then not "
+                                         "trusted).", ["server"])
+        self.index_corrections = Counter("llmq_backend_prefix_index_corrections",
+                                         "Times a server's answer reported fewer cached tokens than the routing "
+                                         "index expected, and the index forgot that server's older entries.",
+                                         ["server"])
+
+    def series(self) -> list[_Series]:
+        return [self.routes, self.deferred, self.prompt_tokens, self.cached_prompt_tokens, self.cached_tokens,
+                self.server_hit_ratio, self.kv_contradictions, self.index_corrections]
+
+
+_ROUTING: RoutingSeries | None = None
+
+
+def routing_series() -> RoutingSeries:
+    """This process's routing series (made at first use)."""
+    global _ROUTING
+    if _ROUTING is None:
+        _ROUTING = RoutingSeries()
+    return _ROUTING
+
+
 class WorkerMetrics:
     """What a worker process exports."""
 
@@ -266,11 +321,17 @@ class WorkerMetrics:
                               "Jain's index of the waiting tenants' fair-share ratios in the band, last minute "
                               "(1 = each got its weighted share).", ["pool", "priority"])
         self.health_recoveries, self.health_stalls = health_series()
+        routing = routing_series()
+        self.backend_routes, self.backend_deferrals = routing.routes, routing.deferred
+        self.backend_prompt_tokens, self.backend_cached_prompt_tokens = routing.prompt_tokens, routing.cached_prompt_tokens
+        self.backend_cached_tokens, self.backend_hit_ratio = routing.cached_tokens, routing.server_hit_ratio
+        self.backend_kv_contradictions, self.backend_index_corrections = (routing.kv_contradictions,
+                                                                          routing.index_corrections)
         self.registry.register(_Collector([
             self.requests, self.rejections, self.queue_wait, self.duration, self.tenant_wait, self.inflight,
             self.tokens, self.last_commit, self.rebalances, self.dead_letters, self.up, self.preemptions,
             self.duplicates, self.ttft, self.inter_token, self.served_tokens, self.fair_share, self.fairness,
-            self.health_recoveries, self.health_stalls]))
+            self.health_recoveries, self.health_stalls, *routing.series()]))
         self.share_windows = [FairShareWindow() for _ in BANDS]
         self.inflight_child = self.inflight.labels(pool)
         self.inflight_child.set(0)

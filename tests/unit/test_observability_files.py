@@ -58,12 +58,16 @@ DOCUMENTED_PARTITIONS = 6
 # ---------------------------------------------------------------------------------------------------------
 _COUNTERS = ("llmq_requests_total", "llmq_rejections_total", "llmq_tokens_total", "llmq_rebalances_total",
              "llmq_dead_letters_total", "llmq_preemptions_total", "llmq_time_to_first_token_seconds_bucket", "llmq_time_to_first_token_seconds_sum", "llmq_time_to_first_token_seconds_count", "llmq_inter_token_seconds_bucket", "llmq_inter_token_seconds_sum", "llmq_inter_token_seconds_count",
-             "llmq_duplicate_requests_total", "llmq_lag_exporter_errors_total", "llmq_tenant_served_tokens_total")
-_HISTOGRAMS = ("llmq_queue_wait_seconds", "llmq_request_duration_seconds", "llmq_tenant_queue_wait_seconds")
+             "llmq_duplicate_requests_total", "llmq_lag_exporter_errors_total", "llmq_tenant_served_tokens_total",
+             "llmq_backend_routes_total", "llmq_backend_route_deferrals_total", "llmq_backend_prompt_tokens_total",
+             "llmq_backend_cached_prompt_tokens_total", "llmq_backend_kv_contradictions_total",
+             "llmq_backend_prefix_index_corrections_total")
+_HISTOGRAMS = ("llmq_queue_wait_seconds", "llmq_request_duration_seconds", "llmq_tenant_queue_wait_seconds",
+               "llmq_backend_cached_tokens")
 _GAUGES = (
     # workers
     "llmq_inflight_requests", "llmq_last_commit_timestamp_seconds", "llmq_worker_up",
-    "llmq_tenant_fair_share_ratio", "llmq_worker_fairness_jain_index",
+    "llmq_tenant_fair_share_ratio", "llmq_worker_fairness_jain_index", "llmq_backend_prefix_cache_hit_ratio",
     # lag exporter, kafka_exporter-compatible
     "kafka_consumergroup_lag", "kafka_consumergroup_current_offset", "kafka_consumergroup_lag_sum",
     "kafka_topic_partition_current_offset", "kafka_consumergroup_members",

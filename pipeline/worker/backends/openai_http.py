@@ -4,8 +4,8 @@ One pooled HTTP/1.1 client per worker (aiohttp: its pool hands out a free connec
 time, where httpcore's scans every pooled connection, polling each socket, on every request,
 encode/httpcore#924, a cost that grows with the hundreds of calls a worker keeps in flight
 against a vLLM server). A call goes to a server of its model chosen by
-the routing table (:mod:`routing`) once the server's pacer (:mod:`pacing`) has a slot
-for it, and is streamed (``stream: true`` with ``stream_options.include_usage``) so the
+the routing table (:mod:`routing`), by prefix cache and load (:mod:`cache_routing`), once the
+server's pacer (:mod:`pacing`) has a slot for it, and is streamed (``stream: true`` with ``stream_options.include_usage``) so the
 time to first token paces the server and a cancelled call closes its connection, which
 is how a server learns to stop generating. A server that answers a stream request
 with one JSON body is read as such.
@@ -33,7 +33,10 @@ import aiohttp
 
 from pipeline.errors import BackendError
 from pipeline.models import Request
+from pipeline.observability.metrics import RoutingSeries
+from pipeline.worker.backends.affinity import AffinityConfig, Choice, PromptKey
 from pipeline.worker.backends.base import Completion, Piece, Usage
+from pipeline.worker.backends.cache_routing import CacheRouter
 from pipeline.worker.backends.openai_wire import (SseParser, StreamAssembler, WireError, chat_body,
                                                   completion_from_json, error_reason, prompt_token_estimate,
                                                   retry_after_s)
@@ -82,6 +85,8 @@ class _Call:
     ends: float = 0.0  # monotonic end of the current attempt
     body: dict[str, Any] = field(default_factory=dict)  # the current attempt's
     tried: set = field(default_factory=set)
+    key: PromptKey | None = None  # its prompt's blocks and anchor (prefix affinity), made once
+    choice: Choice | None = None  # the last choice of server made for it
 
 
 async def _drain(reads, deadline: float, limit: int = 1 << 16) -> None:
@@ -110,7 +115,10 @@ class OpenAIBackend:
                  timeout_s: float = 60.0, max_attempts: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  max_connections: int = 64, pacing: PacingConfig | None = PacingConfig(),
                  stream_completions: bool = True, prefer_real_usage: bool = True,
-                 params: Mapping[str, Any] | None = None, connect_timeout_s: float = 5.0):
+                 params: Mapping[str, Any] | None = None, connect_timeout_s: float = 5.0,
+                 affinity: AffinityConfig | None = None, routing_metrics: RoutingSeries | None = None):
+        """``affinity``: how calls choose a server by prefix cache (default on; see
+        :mod:`affinity`); ``routing_metrics``: where the choices are counted (the process's)."""
         if routes is None:
             if not base_url:
                 raise ValueError("OpenAIBackend needs a base_url or a routing table")
@@ -134,6 +142,7 @@ class OpenAIBackend:
         self._session: aiohttp.ClientSession | None = None  # made in the loop that first calls
         self._session_loop: asyncio.AbstractEventLoop | None = None
         self._pollers: dict[Server, MetricsPoller] = {}
+        self.router = CacheRouter(routes, self.gate, affinity, routing_metrics)
 
     @property
     def _client(self) -> aiohttp.ClientSession:
@@ -158,6 +167,8 @@ class OpenAIBackend:
         try:
             call = self._new_call(request, stream=self.stream_completions)
             call.reserved, reserved = reserved, None
+            if call.reserved is not None:
+                call.key = call.reserved.key
             try:
                 while True:
                     try:
@@ -182,6 +193,8 @@ class OpenAIBackend:
         try:
             call = self._new_call(request, stream=True)
             call.reserved, reserved = reserved, None
+            if call.reserved is not None:
+                call.key = call.reserved.key
             call.always_stream = True
             yielded = 0
             try:
@@ -222,22 +235,18 @@ class OpenAIBackend:
         return self.capacity(None)
 
     def reserve(self, request: Request) -> Slot | None:
-        """Take a slot for ``request``'s call now, on the server of its model with the most room,
-        or None when none has room (the request is better off waiting in llmq's queues than
-        in the gate or in the server's). Pass it to :meth:`complete`/:meth:`stream`, or give
+        """Take a slot for ``request``'s call now, on the server of its model chosen for it (by
+        prefix cache within load bounds, :mod:`affinity`; else the one with the most room), or
+        None when none has room or the request waits for the busy server holding its prefix
+        (either way it is better off waiting in llmq's queues than in the gate or in the
+        server's). Pass it to :meth:`complete`/:meth:`stream`, or give
         it back with :meth:`release`. Raises :class:`UnknownModelError` for a model with no
         route, before any HTTP call."""
         servers = self.routes.servers_for(request.model)
         if _loop_running():
             for server in servers:
                 self._ensure_poller(server)
-        gate = self.gate
-        best = None
-        for server in servers:
-            if self.routes.is_up(server) and gate.available(server) > 0 and (
-                    best is None or gate.in_flight(server) < gate.in_flight(best)):
-                best = server
-        return gate.try_acquire(best) if best is not None else None
+        return self.router.reserve(request)
 
     def release(self, reserved: Slot) -> None:
         """Give back a slot :meth:`reserve` took for a call that will not be made (idempotent)."""
@@ -295,18 +304,25 @@ class OpenAIBackend:
             call.reserved = None
 
     def _choose(self, call: _Call) -> Server | None:
-        gate = self.gate
-        return self.routes.pick(call.request.model, exclude=call.tried,
-                                key=lambda s: (gate.available(s) <= 0, gate.in_flight(s)))
+        router = self.router
+        if call.key is None and router.enabled:
+            call.key = router.key(call.request)
+        choice = router.choose(call.request, call.key, exclude=call.tried)
+        call.choice = choice
+        return choice.server if choice is not None else None
 
     def _ensure_poller(self, server: Server) -> None:
         cfg = self.gate.config
         if cfg.adaptive and server not in self._pollers:
             poller = MetricsPoller(self._client, server.root_url + "/metrics",
-                                   lambda load, s=server: self.gate.observe_load(s, load),
+                                   lambda load, s=server: self._observed(s, load),
                                    interval_s=cfg.metrics_interval_s)
             self._pollers[server] = poller
             poller.start()
+
+    def _observed(self, server: Server, load) -> None:
+        self.gate.observe_load(server, load)
+        self.router.observed(server, load)
 
     @asynccontextmanager
     async def _attempt(self, call: _Call):
@@ -322,6 +338,9 @@ class OpenAIBackend:
             except TimeoutError:
                 raise _Failure("no model server had a free slot before the request's deadline",
                                retriable=False) from None
+            choice = call.choice if call.choice is not None and call.choice.server is slot.server else \
+                Choice(slot.server, "least_loaded")
+            self.router.sent(slot, call.key, choice)
         server: Server = slot.server
         try:
             timeout = min(self.timeout_s, call.deadline - time.monotonic())
@@ -385,10 +404,12 @@ class OpenAIBackend:
                 async with asyncio.timeout_at(loop_ends):
                     raw = await _read_capped(resp, _MAX_JSON_BODY)
                 try:
-                    completion = completion_from_json(json.loads(raw), call.request)
+                    data = json.loads(raw)
                 except ValueError:
                     raise WireError("unexpected response body (not JSON)") from None
+                completion = completion_from_json(data, call.request)
                 self.routes.mark_ok(server)
+                self.router.answered(slot, data.get("usage") if isinstance(data, dict) else None)
                 if completion.output:
                     yield Piece(0, completion.output)
                 yield Piece(1 if completion.output else 0, "", completion.finish_reason,
@@ -425,6 +446,7 @@ class OpenAIBackend:
                 await _drain(reads, min(loop_ends, _loop_deadline(time.monotonic() + 1.0)))
             self.routes.mark_ok(server)
             server.stream_usage = assembler.usage is not None
+            self.router.answered(slot, assembler.usage if isinstance(assembler.usage, Mapping) else None)
             yield assembler.finish()
         except TimeoutError:
             raise _Failure(f"timed out after {call.ends - sent:.1f}s", retriable=True, server=server) from None
@@ -455,6 +477,7 @@ class OpenAIBackend:
             call.tried.add(server)
             if failure.unreachable:
                 self.routes.mark_failed(server)
+                self.router.affinity.forget(server)  # back, it will have lost its cache
             elif failure.retry_after is not None:
                 self.routes.hold(server, failure.retry_after)
         n = call.attempts

@@ -15,7 +15,11 @@ what a server can start:
   while none wait and every known slot is busy it is probed above: by one, doubling while
   the server keeps taking the probes, back to one at its first sign of being full. Requests
   waiting while fewer run than the server has run at once only wait for its next step. A
-  full KV cache starts nothing more. A sample older than ``metrics_stale_s`` is not trusted (llm-d's routers guard against
+  full KV cache starts nothing more, unless the server runs nothing: no signal may keep an
+  idle server idle. A KV reading of full while the server has nothing running or waiting (by
+  its metrics) and nothing of llmq's in flight contradicts its state (a server that counts
+  its cached free blocks as used reads so for ever): it is counted (``kv_contradictions``),
+  and that server's KV reading is not trusted until it reads below the threshold again. A sample older than ``metrics_stale_s`` is not trusted (llm-d's routers guard against
   stale metrics the same way) and the limit below takes over;
 * **time to first token** otherwise, AIMD as in TCP: the limit grows by one per limit's
   worth of first tokens that come near the lowest TTFT seen (and only while the limit is
@@ -79,6 +83,9 @@ class ServerLoad:
     waiting: float
     kv_usage: float | None
     at: float
+    #: Its prefix cache's lifetime counters in tokens (vLLM's prefix_cache_hits/queries), if exported.
+    prefix_hits: float | None = None
+    prefix_queries: float | None = None
 
 
 class AimdLimit:
@@ -127,6 +134,10 @@ class Slot:
     started_at: float
     at_limit: bool
     released: bool = False
+    #: What the routing decided for the call (its prompt's key and the choice), for learning
+    #: from the answer.
+    key: object = None
+    choice: object = None
 
 
 class ServerPacer:
@@ -148,6 +159,9 @@ class ServerPacer:
         # next sample can be compared with what llmq itself had in flight when it was taken.
         self._history: deque[tuple[float, int]] = deque()
         self._in_flight_before = 0
+        #: False once a full KV reading contradicted an idle server, until it reads below kv_high.
+        self.kv_trusted = True
+        self.kv_contradictions = 0
 
     def metrics_fresh(self, now: float | None = None) -> bool:
         now = self.clock() if now is None else now
@@ -167,13 +181,17 @@ class ServerPacer:
         if self.metrics_fresh(now):
             limit = math.floor(self.capacity - self.others)
             kv = self.load.kv_usage
-            if kv is not None and kv >= cfg.kv_high:
+            if kv is not None and kv >= cfg.kv_high and self.kv_trusted:
                 limit = min(limit, self.in_flight)
             return int(min(cfg.max_limit, max(0, limit)))
         return int(min(cfg.max_limit, max(cfg.min_limit, math.floor(self.aimd.limit))))
 
     def available(self, now: float | None = None) -> int:
         return max(0, self.limit(now) - self.in_flight)
+
+    def load_now(self, now: float | None = None) -> float:
+        """The calls the server has: llmq's in flight, and its other clients' while metrics are fresh."""
+        return self.in_flight + (self.others if self.metrics_fresh(now) else 0.0)
 
     def start(self, now: float) -> Slot:
         self.in_flight += 1
@@ -197,6 +215,14 @@ class ServerPacer:
         if load is None:
             self.load = None
             return
+        kv = load.kv_usage
+        if kv is not None and kv >= self.config.kv_high:
+            if load.running == 0 and load.waiting == 0 and ours == 0 and self.in_flight == 0:
+                # Full, and running nothing: the reading cannot be what holds calls back.
+                self.kv_trusted = False
+                self.kv_contradictions += 1
+        elif kv is not None:
+            self.kv_trusted = True
         running = int(load.running)
         if load.waiting > 0 and self._waited and running >= self.peak:
             # Requests waited at two samples in a row with as many running as ever: every slot
@@ -251,6 +277,9 @@ class PacingGate:
 
     def in_flight(self, server: Hashable) -> int:
         return self.pacer(server).in_flight
+
+    def load(self, server: Hashable) -> float:
+        return self.pacer(server).load_now()
 
     def try_acquire(self, server: Hashable) -> Slot | None:
         pacer = self.pacer(server)

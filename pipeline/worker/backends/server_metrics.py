@@ -3,6 +3,8 @@
 Series understood (summed over their label sets, e.g. several served models): vLLM's
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
 ``vllm:kv_cache_usage_perc`` (``vllm:gpu_cache_usage_perc`` on older releases);
+and its prefix cache's counters ``vllm:prefix_cache_hits_total`` /
+``vllm:prefix_cache_queries_total`` (tokens found cached, tokens looked up) for routing by cache;
 llama.cpp's server with ``--metrics``: ``llamacpp:requests_processing`` and
 ``llamacpp:requests_deferred``; TGI: ``tgi_batch_current_size`` and ``tgi_queue_size``.
 A server without them (or without ``/metrics``) is paced by time to first token.
@@ -24,7 +26,9 @@ log = logging.getLogger(__name__)
 _RUNNING = ("vllm:num_requests_running", "llamacpp:requests_processing", "tgi_batch_current_size")
 _WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred", "tgi_queue_size")
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-_WANTED = frozenset(_RUNNING + _WAITING + _KV)
+_PREFIX_HITS = "vllm:prefix_cache_hits_total"
+_PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+_WANTED = frozenset(_RUNNING + _WAITING + _KV + (_PREFIX_HITS, _PREFIX_QUERIES))
 #: Without the series, look again this much later (a server may be restarted with them).
 REDISCOVER_S = 30.0
 
@@ -59,7 +63,7 @@ def parse_load(text: str, at: float) -> ServerLoad | None:
     if running is None or waiting is None:
         return None
     kv = next((values[n] for n in _KV if n in values), None)
-    return ServerLoad(running, waiting, kv, at)
+    return ServerLoad(running, waiting, kv, at, values.get(_PREFIX_HITS), values.get(_PREFIX_QUERIES))
 
 
 class MetricsPoller:

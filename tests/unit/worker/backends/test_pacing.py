@@ -283,3 +283,20 @@ def test_a_server_that_restarted_smaller_is_learned_again():
     for i in range(samples):  # now 8 slots: 8 run and the rest wait, for seconds
         pacer.observe_load(ServerLoad(running=8, waiting=4, kv_usage=None, at=0.1 + i * 0.05))
     assert pacer.capacity == 8
+
+
+def test_a_full_kv_reading_does_not_keep_an_idle_server_idle_and_is_counted():
+    clock = Clock()
+    pacer = ServerPacer(PacingConfig(initial_limit=8), clock)
+    # A server that counts its cached free blocks as used: full, with nothing running or waiting.
+    pacer.observe_load(ServerLoad(running=0, waiting=0, kv_usage=1.0, at=0.0))
+    assert pacer.available() > 0 and pacer.kv_contradictions == 1
+    pacer.start(0.0)
+    pacer.start(0.0)
+    clock.now = 0.05
+    # Still full while running what llmq sent: not trusted until it reads below the threshold.
+    pacer.observe_load(ServerLoad(running=2, waiting=0, kv_usage=1.0, at=0.04))
+    assert pacer.available() > 0 and pacer.kv_contradictions == 1
+    pacer.observe_load(ServerLoad(running=2, waiting=0, kv_usage=0.5, at=0.05))
+    pacer.observe_load(ServerLoad(running=2, waiting=0, kv_usage=0.97, at=0.06))
+    assert pacer.available() == 0  # a believable reading again: a full cache starts nothing more
