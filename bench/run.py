@@ -150,7 +150,8 @@ def _scenarios() -> dict:
                           ("serve_bench", ("serve_overhead",)),
                           ("eta_bench", ("eta_accuracy",)),
                           ("cost_bench", ("cpu_per_request", "load_curve")),
-                          ("batch_bench", ("batch_beside_interactive",))):
+                          ("batch_bench", ("batch_beside_interactive",)),
+                          ("prefix_bench", ("prefix_routing",))):
         try:
             mod = __import__(module)
         except ImportError as exc:

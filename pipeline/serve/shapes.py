@@ -5,6 +5,9 @@ Requests: the bodies of ``POST /v1/chat/completions`` (``messages``) and ``POST 
 and that would change the answer's shape (``n`` > 1, tools, functions, logprobs) is refused with
 400; sampling knobs llmq does not carry (``seed``, penalties, ``logit_bias``,
 ``response_format``) are accepted and ignored, as many OpenAI-compatible servers do.
+``prompt_cache_key`` is carried to the worker in the request's metadata (under
+``llmq.prompt_cache_key``, no schema change), where it places requests that share it on the
+same model server (docs/workers.md, "Routing by cache").
 
 Answers: a COMPLETED :class:`~pipeline.models.Response` becomes a ``chat.completion`` or a
 ``text_completion``; :class:`~pipeline.models.Chunk` s become ``chat.completion.chunk`` /
@@ -28,6 +31,9 @@ COMPLETION = "completion"
 _UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "logprobs", "top_logprobs", "audio",
                 "prediction")
 _MAX_METADATA = 16
+#: Where a request carries its prompt_cache_key (pipeline/worker/backends/affinity.py reads it).
+CACHE_KEY_METADATA = "llmq.prompt_cache_key"
+_MAX_CACHE_KEY = 1024
 
 
 @dataclass
@@ -159,6 +165,13 @@ def parse_body(body: Any, kind: str, default_max_tokens: int) -> Parsed:
             raise bad_request("user must be a string", "user")
         fields["user"] = user
     meta, priority = _metadata(body)
+    cache_key = body.get("prompt_cache_key")
+    if cache_key is not None:
+        if not isinstance(cache_key, str) or len(cache_key) > _MAX_CACHE_KEY:
+            raise bad_request(f"prompt_cache_key must be a string of at most {_MAX_CACHE_KEY} characters",
+                              "prompt_cache_key")
+        if cache_key:
+            meta[CACHE_KEY_METADATA] = cache_key
     if meta:
         fields["metadata"] = meta
     stream = body.get("stream", False)
