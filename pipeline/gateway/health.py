@@ -4,7 +4,8 @@ Live: its request and response partitions make progress (:mod:`pipeline.gateway.
 its outputs are acknowledged (at-least-once: librdkafka's producer, whose message timeout stops
 the gateway anyway) and its transactions end in time (exactly-once), and no output was refused.
 Ready: live, started (the tables recovered, :class:`_GatewayWorker` in app.py says so), not
-rebalancing or recovering now, and partitions assigned.
+rebalancing or recovering now, and its consumer made. Not "partitions assigned": a spare gateway
+(more gateways than partitions) is ready, or it would hold up a StatefulSet's rolling update.
 
 A stall the watch could not recover from stops the gateway through Faust (``app.crash``: the
 process exits non-zero, its supervisor starts another). A shutdown that itself hangs on what has
@@ -48,7 +49,7 @@ class GatewayHealth:
         h.add_live("refused", self._refused)
         h.add_ready("started", lambda: None if self.started else "starting (tables not recovered yet)")
         h.add_ready("recovery", self._recovery)
-        h.add_ready("assignment", self._assignment)
+        h.add_ready("consumer", self._consumer)
 
     def tick(self) -> None:
         """Once a second (a timer): what the producer has outstanding."""
@@ -75,12 +76,12 @@ class GatewayHealth:
             return "rebalancing"
         return None
 
-    def _assignment(self) -> str | None:
+    def _consumer(self) -> str | None:
         try:
-            assigned = self.gateway.app.consumer.assignment()
+            self.gateway.app.consumer.assignment()
         except Exception:  # noqa: BLE001 (no consumer yet)
             return "no consumer yet"
-        return None if assigned else "no partitions assigned"
+        return None
 
     # -- the web views ------------------------------------------------------------------
 

@@ -6,7 +6,9 @@ returns), no fatal error ended the session, and the producer has its records ack
 (outstanding with no delivery for longer than librdkafka's delivery timeout plus a margin is
 stuck). The coordinator watch (coordinator_watch.py) already replaces a consumer cut off from its
 group, and a transaction that does not end in time already stops the worker (checkpoint.py).
-Ready: live, a session running, and partitions assigned.
+Ready: live and a session consuming. Not "partitions assigned": a pool may run more workers than
+its partitions (spares for failover, an autoscaler's), and a spare that never became ready would
+hold up every rolling update.
 
 Read from the metrics server's thread: only attribute reads of what the loop publishes.
 """
@@ -46,12 +48,8 @@ def worker_health(worker, clock=time.monotonic) -> Health:
             return "not consuming yet"
         return None
 
-    def assignment() -> str | None:
-        return None if worker.assigned else "no partitions assigned"
-
     h.add_live("loop", loop)
     h.add_live("session", session)
     h.add_live("producer", producer)
     h.add_ready("consuming", running)
-    h.add_ready("assignment", assignment)
     return h

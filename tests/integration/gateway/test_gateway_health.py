@@ -41,4 +41,4 @@ def test_gateway_answers_healthz_and_readyz(settings, tmp_path):
         doc = wait_for(f"{base}/healthz")
         assert doc["status"] == "ok" and "progress" in doc["checks"]
         doc = wait_for(f"{base}/readyz")
-        assert doc["status"] == "ok" and {"started", "recovery", "assignment"} <= set(doc["checks"])
+        assert doc["status"] == "ok" and {"started", "recovery", "consumer"} <= set(doc["checks"])

@@ -66,7 +66,7 @@ def test_worker_answers_healthz_and_readyz_beside_metrics(settings, tmp_path):
         doc = _wait_ok(f"{base}/healthz", proc, log)
         assert doc["status"] == "ok" and {"loop", "session", "producer"} <= set(doc["checks"])
         doc = _wait_ok(f"{base}/readyz", proc, log)
-        assert doc["status"] == "ok" and "assignment" in doc["checks"]
+        assert doc["status"] == "ok" and "consuming" in doc["checks"]
         code, text = _get(f"{base}/metrics")
         assert code == 200 and "llmq_worker_up" in text and "llmq_health_stalls_total" in text
     finally:

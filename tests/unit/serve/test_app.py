@@ -340,3 +340,16 @@ def test_metrics_count_requests_by_route_pattern_and_status():
     assert 'method="GET",route="unmatched"' in text and "/v1/no-such-thing" not in text
     assert 'llmq_serve_request_seconds_count{route="/v1/chat/completions"} 1.0' in text
     assert "llmq_serve_inflight 0.0" in text and "llmq_serve_open_streams 0.0" in text
+
+
+def test_readyz_is_200_while_serving_and_503_with_reasons_while_draining():
+    async def go():
+        async with running(lambda req: []) as (http, server, _f):
+            serving = await http.get("/readyz")
+            first = (serving.status, await serving.json())
+            server.draining = True
+            draining = await http.get("/readyz")
+            return first, (draining.status, await draining.json())
+    (ok, ok_doc), (no, no_doc) = run(go())
+    assert ok == 200 and ok_doc["status"] == "ok"
+    assert no == 503 and no_doc["reasons"] and "drain" in " ".join(no_doc["reasons"])
