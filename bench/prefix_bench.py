@@ -52,7 +52,12 @@ from pipeline.simulator.text import count_prompt_tokens
 
 SERVERS, SLOTS = 4, 4
 TTFT_MS, MS_PER_TOKEN, PREFILL_MS_PER_TOKEN, TOKENS = 5, 10, 0.2, 8
-USERS, TURNS, SYSTEMS, ONE_OFF_SHARE = 24, 5, 4, 0.15
+#: Closed-loop users who think (exponentially, THINK_S on average) between turns, as chat users
+#: do: enough for the slots to be about 80 % busy under least-loaded routing (what a turn's time to
+#: first token is measured at), and twice as many (saturation: throughput). Without thinking, a
+#: user's next turn would take the slot its last turn just freed, whatever the routing.
+USERS, SATURATING_USERS, THINK_S = 3 * SERVERS * SLOTS, 6 * SERVERS * SLOTS, 1.0
+TURNS, SYSTEMS, ONE_OFF_SHARE = 5, 4, 0.15
 WARM_S = 6.0
 MEASURE_S = float(os.environ.get("LLMQ_PREFIX_BENCH_MEASURE_S", "30"))
 TARGET = {"hit_ratio_over_oracle": 0.9, "later_ttft_p50_ratio": 0.5, "throughput_ratio": 1.3,
@@ -126,7 +131,7 @@ def _worker(s: Settings, workdir: Path, name: str, urls: list[str], affinity: bo
 
 
 async def _users(client, one_off_only: bool, oracle: Oracle, measure_from: float, stop_at: float,
-                 seed: int) -> list[tuple[int, float, float]]:
+                 seed: int, users: int) -> list[tuple[int, float, float]]:
     """Closed-loop users until ``stop_at``; returns (turn, ttft_ms, answered_at) of measured requests."""
     out: list[tuple[int, float, float]] = []
 
@@ -141,6 +146,7 @@ async def _users(client, one_off_only: bool, oracle: Oracle, measure_from: float
                 messages = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}]
                 turns = TURNS
             for turn in range(1, turns + 1):
+                await asyncio.sleep(rng.expovariate(1.0 / THINK_S))
                 if time.monotonic() >= stop_at:
                     return
                 if not one_off:
@@ -165,7 +171,7 @@ async def _users(client, one_off_only: bool, oracle: Oracle, measure_from: float
                     out.append((turn, first, time.monotonic()))
                 messages.append({"role": "assistant", "content": "".join(text)})
 
-    await asyncio.gather(*(user(u) for u in range(USERS)))
+    await asyncio.gather(*(user(u) for u in range(users)))
     return out
 
 
@@ -174,7 +180,8 @@ def _run(settings: Settings, workdir: Path, mode: str, seed: int) -> dict:
     sims = [SimulatorProcess("--served-model-name", "sim-small", "--max-num-seqs", str(SLOTS), "--ttft-ms",
                              str(TTFT_MS), "--ms-per-token", str(MS_PER_TOKEN), "--prefill-ms-per-token",
                              str(PREFILL_MS_PER_TOKEN), "--max-model-len", "8192") for _ in range(SERVERS)]
-    affinity = mode != "least_loaded" and mode != "one_off_least_loaded"
+    affinity = not mode.endswith("least_loaded")
+    users = SATURATING_USERS if mode.startswith("saturated") else USERS
     workers = [_worker(s, workdir, f"{mode}-{i}", [x.base_url for x in sims], affinity)
                for i in range(2 if mode == "prefix_two_workers" else 1)]
     oracle = Oracle()
@@ -192,16 +199,25 @@ def _run(settings: Settings, workdir: Path, mode: str, seed: int) -> dict:
                 now = time.monotonic()
                 measure_from, stop_at = now + WARM_S, now + WARM_S + MEASURE_S
                 task = asyncio.ensure_future(_users(client, mode.startswith("one_off"), oracle, measure_from,
-                                                    stop_at, seed))
+                                                    stop_at, seed, users))
                 await asyncio.sleep(max(0.0, measure_from - time.monotonic()))
                 before = (_counters(sims), sum(cpu_s(w.proc.pid) for w in workers), time.monotonic())
+                busy = []
+
+                def sample() -> None:
+                    while time.monotonic() < stop_at:
+                        busy.append(sum(min(SLOTS, sim.load()[0]) for sim in sims) / (SERVERS * SLOTS))
+                        time.sleep(0.1)
+
+                sampler = asyncio.get_running_loop().run_in_executor(None, sample)
                 results = await task
                 after = (_counters(sims), sum(cpu_s(w.proc.pid) for w in workers), time.monotonic())
-                return results, before, after
+                await sampler
+                return results, before, after, busy
             finally:
                 await client.close()
 
-        results, before, after = asyncio.run(go())
+        results, before, after, busy = asyncio.run(go())
     finally:
         for w in workers:
             w.terminate(30)
@@ -223,7 +239,8 @@ def _run(settings: Settings, workdir: Path, mode: str, seed: int) -> dict:
         return round(xs[min(len(xs) - 1, int(len(xs) * p))], 1) if xs else None
 
     mean = statistics.fmean(per_server) if per_server else 0
-    out = {"hit_ratio": round(hits / queries, 4) if queries else None,
+    out = {"users": users, "slot_busy_fraction": round(statistics.fmean(busy), 3) if busy else None,
+           "hit_ratio": round(hits / queries, 4) if queries else None,
            "oracle_hit_ratio": round(oracle.hits / oracle.queries, 4) if oracle.queries else None,
            "first_ttft_p50_ms": q(first, 0.5), "first_ttft_p99_ms": round(p99(first), 1) if first else None,
            "later_ttft_p50_ms": q(later, 0.5), "later_ttft_p99_ms": round(p99(later), 1) if later else None,
@@ -276,7 +293,8 @@ def decision_cost_us(n: int = 3000) -> dict:
 
 
 MODES = tuple(os.environ.get("LLMQ_PREFIX_BENCH_MODES", "").split(",")) if os.environ.get(
-    "LLMQ_PREFIX_BENCH_MODES") else ("least_loaded", "prefix", "prefix_two_workers", "one_off_least_loaded", "one_off_prefix")
+    "LLMQ_PREFIX_BENCH_MODES") else ("least_loaded", "prefix", "prefix_two_workers", "one_off_least_loaded",
+                                     "one_off_prefix", "saturated_least_loaded", "saturated_prefix")
 
 
 def prefix_routing(settings: Settings, args) -> dict:
@@ -296,8 +314,9 @@ def prefix_routing(settings: Settings, args) -> dict:
     for mode in MODES:
         out[mode] = {k: med(mode, k) for k in per[mode][0] if isinstance(per[mode][0][k], (int, float))}
         out[mode]["rounds"] = per[mode]
-    ll, px, two, oll, opx = (out.get(m, {}) for m in ("least_loaded", "prefix", "prefix_two_workers",
-                                                       "one_off_least_loaded", "one_off_prefix"))
+    ll, px, two, oll, opx, sll, spx = (out.get(m, {}) for m in (
+        "least_loaded", "prefix", "prefix_two_workers", "one_off_least_loaded", "one_off_prefix",
+        "saturated_least_loaded", "saturated_prefix"))
 
     def ratio(a, b):
         return round(a / b, 3) if a is not None and b else None
@@ -306,7 +325,7 @@ def prefix_routing(settings: Settings, args) -> dict:
         "hit_ratio_over_oracle": px.get("hit_over_oracle"),
         "least_loaded_hit_over_oracle": ll.get("hit_over_oracle"),
         "later_ttft_p50_ratio": ratio(px.get("later_ttft_p50_ms"), ll.get("later_ttft_p50_ms")),
-        "throughput_ratio": ratio(px.get("answers_per_s"), ll.get("answers_per_s")),
+        "throughput_ratio": ratio(spx.get("answers_per_s"), sll.get("answers_per_s")),
         "requests_max_over_mean": px.get("requests_max_over_mean"),
         "one_off_ttft_p99_ratio": ratio(opx.get("ttft_p99_ms"), oll.get("ttft_p99_ms")),
         "two_workers_hit_over_oracle": two.get("hit_over_oracle"),
@@ -316,7 +335,7 @@ def prefix_routing(settings: Settings, args) -> dict:
     out["targets"] = TARGET
     out["conditions"] = (f"{SERVERS} simulator processes, {SLOTS} slots each, {TTFT_MS} ms per joiner + "
                          f"{PREFILL_MS_PER_TOKEN} ms per uncached prompt token, {MS_PER_TOKEN} ms/token, "
-                         f"{TOKENS}-token answers; {USERS} closed-loop users (saturating), conversations of "
+                         f"{TOKENS}-token answers; {USERS} closed-loop users ({SATURATING_USERS} for saturation), conversations of "
                          f"{TURNS} turns over {SYSTEMS} shared system prompts, {ONE_OFF_SHARE:.0%} one-off prompts; "
                          f"streamed through llmq workers on the request topics; {WARM_S:.0f} s warm-up, "
                          f"{MEASURE_S:.0f} s measured per run; all on one 2-core machine with the broker")

@@ -16,7 +16,10 @@ its own anchors, each to its next-ranked server.
 scorer keeps one): the prompt is cut into blocks of ``block_chars`` characters whose CRC-32s
 chain (a block matches only after the same whole prefix), and each server keeps an LRU of the
 blocks routed to it, at most ``index_blocks``, entries older than ``ttl_s`` ignored. A
-request's *match* on a server is the longest run of its blocks, from the start, found there.
+request's *match* on a server is the longest run of its blocks, from the start, found there;
+it steers the choice only where it goes past the blocks many requests share (a conversation's
+system prompt; a prompt's anchor), or a popular system prompt would draw every conversation
+to the first server that got it, and workers whose indexes differ would disagree.
 A server's answer saying it had fewer tokens cached than the index thought
 (``usage.prompt_tokens_details.cached_tokens``) means it evicted what it was sent before:
 the index forgets that server's entries as old as the missing block.
@@ -73,7 +76,7 @@ class AffinityConfig:
     #: Index entries kept per server (LRU), and how long one counts.
     index_blocks: int = 65536
     ttl_s: float = 120.0
-    #: A match shorter than this many blocks does not steer the choice.
+    #: A match that goes fewer blocks than this past the shared ones does not steer the choice.
     min_match_blocks: int = 1
     #: How long a request whose prefix a busy server holds may wait for that server's slot.
     wait_s: float = 0.25
@@ -91,6 +94,9 @@ class PromptKey:
 
     blocks: list[int]
     anchor: int
+    #: Leading blocks other requests share (its system messages, or a prompt's anchor blocks):
+    #: a match no longer than this says nothing of where this request's own prefix is.
+    shared: int
     #: A later turn of a conversation, or one a caller keyed: its prefix is worth waiting for.
     continued: bool
     chars: int
@@ -116,6 +122,7 @@ def prompt_key(request: Any, config: AffinityConfig) -> PromptKey:
     model = zlib.crc32(str(getattr(request, "model", "") or "").encode())
     messages = getattr(request, "messages", None)
     anchor_end = None
+    system_end = 0
     continued = False
     if messages:
         parts = []
@@ -125,8 +132,11 @@ def prompt_key(request: Any, config: AffinityConfig) -> PromptKey:
             part = f"{role}\n{content}\n"
             parts.append(part)
             length += len(part)
-            if anchor_end is None and role != "system":
-                anchor_end = length
+            if anchor_end is None:
+                if role != "system":
+                    anchor_end = length
+                else:
+                    system_end = length
             if role == "assistant" and i < len(messages) - 1:
                 continued = True
         text = "".join(parts)
@@ -136,7 +146,9 @@ def prompt_key(request: Any, config: AffinityConfig) -> PromptKey:
     size = config.block_chars
     if anchor_end is None:
         anchor_end = size * config.anchor_blocks
+        shared = config.anchor_blocks
     else:
+        shared = system_end // size
         anchor_end = len(text[:anchor_end].encode("utf-8", "surrogatepass")) if not text.isascii() else anchor_end
     view = memoryview(data)
     blocks = []
@@ -152,7 +164,7 @@ def prompt_key(request: Any, config: AffinityConfig) -> PromptKey:
     if key:
         anchor = crc32(key.encode("utf-8", "surrogatepass"), model ^ 0x5A5A5A5A)
         continued = True
-    return PromptKey(blocks, anchor, continued, len(text))
+    return PromptKey(blocks, anchor, shared, continued, len(text))
 
 
 def _mix(x: int) -> int:
@@ -171,7 +183,16 @@ class PrefixAffinity:
         self._name = name
         self._seed: dict[Hashable, int] = {}
         self._index: dict[Hashable, OrderedDict[int, float]] = {}
-        self._deferred: OrderedDict[str, float] = OrderedDict()
+        #: Requests waiting for a busy server: request id → (since when, which server).
+        self._deferred: OrderedDict[str, tuple[float, Hashable]] = OrderedDict()
+
+    def waiting_for(self, request_id: str, now: float) -> Hashable | None:
+        """The server ``request_id`` still waits for (its wait not over), or None: lets a caller
+        that asks again before that server has a slot answer without a new choice."""
+        entry = self._deferred.get(request_id)
+        if entry is None or now - entry[0] >= self.config.wait_s:
+            return None
+        return entry[1]
 
     # -- the index -----------------------------------------------------------------------
     def _blocks_of(self, server: Hashable) -> OrderedDict[int, float]:
@@ -255,7 +276,7 @@ class PrefixAffinity:
         frees = [free(s) > 0 for s in servers]
         cap = max(math.ceil((1.0 + cfg.epsilon) * (sum(loads) + 1.0) / n), cfg.bound_floor)
         within = [loads[i] + 1.0 <= cap for i in range(n)]
-        blocks, min_match = key.blocks, cfg.min_match_blocks
+        blocks, min_match, shared = key.blocks, cfg.min_match_blocks, key.shared
         best = wanted = None
         best_score = wanted_score = None
         matches: list[tuple[int, float | None]] = []
@@ -264,17 +285,20 @@ class PrefixAffinity:
             matches.append(m)
             if not within[i]:
                 continue
-            score = (m[0] if m[0] >= min_match else 0, self.rank(server, key.anchor))
+            score = (m[0] if m[0] - shared >= min_match else 0, self.rank(server, key.anchor))
             if wanted_score is None or score > wanted_score:
                 wanted, wanted_score = i, score
             if frees[i] and (best_score is None or score > best_score):
                 best, best_score = i, score
         if wanted is not None and wanted != best and (wanted_score[0] > 0 or key.continued) and cfg.wait_s > 0:
-            first = self._deferred.get(request_id) if request_id else None
-            if request_id and first is None:
-                self._deferred[request_id] = first = now
-                if len(self._deferred) > 4096:
+            entry = self._deferred.get(request_id) if request_id else None
+            first = entry[0] if entry is not None else None
+            if request_id and entry is None:
+                first = now
+                if len(self._deferred) >= 4096:
                     self._deferred.popitem(last=False)
+            if request_id:
+                self._deferred[request_id] = (first, servers[wanted])
             if first is not None and now - first < cfg.wait_s:
                 return Choice(None, "deferred", *matches[wanted])
         if request_id and self._deferred:

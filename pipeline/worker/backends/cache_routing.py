@@ -9,6 +9,7 @@ made: of the model's servers that are up, one with a free slot and the fewest ca
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any, Collection, Mapping
 from urllib.parse import urlsplit
 
@@ -20,6 +21,8 @@ from pipeline.worker.backends.routing import RoutingTable, Server
 
 #: The server's own hit ratio is published over windows of at least this many queried tokens.
 _HIT_WINDOW_TOKENS = 4096
+#: Prompt keys kept for requests asked about again (put back to wait, then reserved, then called).
+_KEYS_KEPT = 8192
 
 
 def server_label(server: Server) -> str:
@@ -42,6 +45,7 @@ class CacheRouter:
         self._labels: dict[Server, str] = {}
         self._hits: dict[Server, tuple[float, float]] = {}  # the hit-ratio window's start
         self._contradictions: dict[Server, int] = {}
+        self._keys: OrderedDict[str, PromptKey] = OrderedDict()
 
     @property
     def enabled(self) -> bool:
@@ -54,7 +58,22 @@ class CacheRouter:
         return label
 
     def key(self, request: Request) -> PromptKey | None:
-        return prompt_key(request, self.config) if self.config.enabled else None
+        """The request's prompt key, made once per request (a waiting request is asked about
+        again at every free slot)."""
+        if not self.config.enabled:
+            return None
+        keys, rid = self._keys, request.request_id
+        key = keys.get(rid) if rid else None
+        if key is None:
+            key = prompt_key(request, self.config)
+            if rid:
+                keys[rid] = key
+                if len(keys) > _KEYS_KEPT:
+                    keys.popitem(last=False)
+        return key
+
+    def done(self, request: Request) -> None:
+        self._keys.pop(request.request_id, None)
 
     # -- choosing --------------------------------------------------------------------------
     def choose(self, request: Request, key: PromptKey | None, exclude: Collection[Server] = (),
@@ -79,6 +98,11 @@ class CacheRouter:
     def reserve(self, request: Request) -> Slot | None:
         """A slot for ``request`` on the server chosen for it now, or None (no room, or it waits
         for the server holding its prefix)."""
+        if self.config.enabled and request.request_id:
+            # Still waiting for a server that has no slot yet: the answer has not changed.
+            waited = self.affinity.waiting_for(request.request_id, time.monotonic())
+            if waited is not None and self.gate.available(waited) <= 0 and self.routes.is_up(waited):
+                return None
         key = self.key(request)
         if key is None:
             servers = [s for s in self.routes.servers_for(request.model) if self.routes.is_up(s)]
@@ -91,19 +115,14 @@ class CacheRouter:
             choice = self.choose(request, key)
         if choice is None or choice.server is None:
             if choice is not None and choice.reason == "deferred":
-                self.metrics.deferred.labels(self.label(self._wanted(request, key))).inc()
+                waited = self.affinity.waiting_for(request.request_id, time.monotonic())
+                if waited is not None:
+                    self.metrics.deferred.labels(self.label(waited)).inc()
             return None
         slot = self.gate.try_acquire(choice.server)
         if slot is not None:
             self.sent(slot, key, choice)
         return slot
-
-    def _wanted(self, request: Request, key: PromptKey | None) -> Server:
-        # What a deferred request waits for: its best-ranked server (only for the label).
-        servers = [s for s in self.routes.servers_for(request.model) if self.routes.is_up(s)]
-        if key is None or not servers:
-            return servers[0] if servers else self.routes.servers[0]
-        return max(servers, key=lambda s: self.affinity.rank(s, key.anchor))
 
     def sent(self, slot: Slot, key: PromptKey | None, choice: Choice) -> None:
         """The call holding ``slot`` goes to its server now: the index records its prompt there."""

@@ -299,6 +299,7 @@ class OpenAIBackend:
         return _Call(request, stream, time.monotonic() + remaining)
 
     def _release_reserved(self, call: _Call) -> None:
+        self.router.done(call.request)
         if call.reserved is not None:  # never reached an attempt (its deadline had passed)
             self.gate.release(call.reserved)
             call.reserved = None

@@ -154,3 +154,15 @@ def test_a_bad_configuration_is_refused():
         AffinityConfig(epsilon=0)
     with pytest.raises(ValueError):
         AffinityConfig(block_chars=4)
+
+
+def test_a_shared_system_prompt_does_not_draw_new_conversations_to_one_server():
+    aff = PrefixAffinity()
+    first = prompt_key(_chat(0, 1), aff.config)
+    aff.record(SERVERS[0], first, 0.0)
+    picks = Counter()
+    for c in range(1, 400):
+        key = prompt_key(_chat(c, 1), aff.config)
+        assert key.shared > 0 and aff.match(SERVERS[0], key.blocks, 1.0)[0] >= key.shared
+        picks[aff.choose(key, SERVERS, _loads(), _free(), 1.0).server] += 1
+    assert max(picks.values()) / (399 / 4) < 1.2
