@@ -6,7 +6,8 @@
 | consumer    | read the response and chunk topics (the SDK assigns partitions: no group)    |
 | client      | producer + consumer (an upstream service that submits and awaits)            |
 | serve       | client + write cancellations + read the tenant registry and model catalog    |
-|             | + the Batch API's files and batches topics and group (``llmq serve``)        |
+|             | + the Batch API's files and batches topics and group, the stored responses   |
+|             |   (``llmq serve``)                                                           |
 | tenants     | read and write the tenant registry (``llmq tenants set``)                    |
 | worker      | read request/dispatch/cancellation topics; write responses, chunks, receipts,|
 |             | reply topics, dead letters, the model catalog; its groups (llmq-workers,     |
@@ -109,6 +110,7 @@ def role_grants(settings: Settings, tenants: list[str] | None = None) -> dict[st
         # the Batch API: its files and batches topics, and the group that shares the batches out
         "serve": producer + consumer + [_topic(cancellations, W, D), _topic(registry, R, D), _topic(catalog, R, D),
                                         _topic(t.files, R, W, D), _topic(t.batches, R, W, D),
+                                        _topic(t.stored_responses, R, W, D),  # the Responses API
                                         _group(settings.batch.group(t.prefix), R)],
         "tenants": [_topic(registry, R, W, D), _IDEMPOTENT],
         "worker": [

@@ -56,6 +56,8 @@ def pipeline_topics(settings: Settings) -> list[TopicSpec]:
                            "completion receipts"))
     specs += [TopicSpec(name, t.batch_partitions, t.replication_factor, dict(t.batch_config), role)
               for name, role in ((t.files, "batch files"), (t.batches, "batches"))]
+    specs.append(TopicSpec(t.stored_responses, t.stored_response_partitions, t.replication_factor,
+                           dict(t.stored_response_config), "stored responses"))
     specs.append(model_catalog_topic(settings))
     if t.replication_factor > 1:
         # Set on the topic, not left to the broker's default: acks=all then means what the

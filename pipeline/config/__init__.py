@@ -31,6 +31,7 @@ from pipeline.config.fields import set_field
 from pipeline.config.gateway import GatewaySettings
 from pipeline.config.kafka import DEFAULT_BOOTSTRAP, KafkaSettings
 from pipeline.config.models import ModelSettings
+from pipeline.config.responses import ResponsesSettings
 from pipeline.config.serde import SerdeSettings
 from pipeline.config.serve import ServeSettings
 from pipeline.config.tenants import TenantSettings
@@ -39,7 +40,7 @@ from pipeline.config.worker import WorkerSettings
 from pipeline.errors import ConfigError
 
 __all__ = ["DEFAULT_BOOTSTRAP", "DEFAULT_JVM_OPTIONS", "DEFAULT_POOLS", "BatchSettings", "BrokerSettings", "GatewaySettings",
-           "KafkaSettings", "ModelSettings", "SerdeSettings", "ServeSettings", "Settings", "TenantSettings", "TopicSettings",
+           "KafkaSettings", "ModelSettings", "ResponsesSettings", "SerdeSettings", "ServeSettings", "Settings", "TenantSettings", "TopicSettings",
            "WorkerSettings"]
 
 
@@ -55,6 +56,7 @@ class Settings:
     serve: ServeSettings = field(default_factory=ServeSettings)
     batch: BatchSettings = field(default_factory=BatchSettings)
     models: ModelSettings = field(default_factory=ModelSettings)
+    responses: ResponsesSettings = field(default_factory=ResponsesSettings)
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> "Settings":
@@ -113,5 +115,5 @@ class Settings:
 
     def validate(self) -> None:
         for section in (self.kafka, self.topics, self.serde, self.worker, self.gateway, self.broker, self.tenants,
-                        self.serve, self.batch, self.models):
+                        self.serve, self.batch, self.models, self.responses):
             section.validate()

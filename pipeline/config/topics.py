@@ -55,6 +55,14 @@ class TopicSettings:
     batch_partitions: int = 3
     batch_config: dict[str, str] = field(default_factory=lambda: {
         "cleanup.policy": "compact", "max.message.bytes": str(2 * 1024 * 1024)})
+    #: The Responses API's stored responses (pipeline/responses/): one record per response id,
+    #: its latest state. compact,delete: a response is kept retention.ms after its last write
+    #: (OpenAI keeps stored responses 30 days), then dropped. max.message.bytes: a response with
+    #: its input and output (a chain's turns are records of their own).
+    stored_response_partitions: int = 3
+    stored_response_config: dict[str, str] = field(default_factory=lambda: {
+        "cleanup.policy": "compact,delete", "retention.ms": str(30 * 24 * 3600 * 1000),
+        "max.message.bytes": str(8 * 1024 * 1024)})
 
     @property
     def min_isr(self) -> int:
@@ -121,8 +129,13 @@ class TopicSettings:
         """Batch API batches: one record per batch, its latest state (pipeline/batch/record.py)."""
         return f"{self.prefix}.batches"
 
+    @property
+    def stored_responses(self) -> str:
+        """Responses API: one record per response, its latest state (pipeline/responses/record.py)."""
+        return f"{self.prefix}.stored-responses"
+
     def validate(self) -> None:
-        for key in ("batch_partitions", "request_partitions", "response_partitions", "dlq_partitions", "cancellation_partitions",
+        for key in ("batch_partitions", "stored_response_partitions", "request_partitions", "response_partitions", "dlq_partitions", "cancellation_partitions",
                     "replication_factor"):
             positive(f"topics.{key}", getattr(self, key))
         if not self.prefix or any(c.isspace() for c in self.prefix):

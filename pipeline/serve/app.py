@@ -12,6 +12,7 @@
 | GET  /readyz                | the same judgement, for readiness probes                                |
 | GET  /metrics               | Prometheus: requests by route and status, latency, in flight, streams   |
 | /v1/files, /v1/batches      | OpenAI's Batch API (pipeline/serve/batch_api.py)                        |
+| /v1/responses               | OpenAI's Responses API (pipeline/serve/responses_api.py)                |
 
 The tenant is the caller's API key's (pipeline/serve/auth.py); the band is ``x-llmq-priority``
 or ``metadata.priority`` (NORMAL by default, BACKGROUND for /v1/requests), capped at what the
@@ -400,8 +401,9 @@ async def errors_middleware(http: web.Request, handler):
                                        "internal_error"))
 
 
-def build_app(server: Server, batches=None) -> web.Application:
-    """``batches``: the BatchStore behind /v1/files and /v1/batches (None: not served)."""
+def build_app(server: Server, batches=None, responses=None) -> web.Application:
+    """``batches``: the BatchStore behind /v1/files and /v1/batches; ``responses``: the
+    ResponseStore behind /v1/responses (None: not served)."""
     metrics = ServeMetrics(server)
     # Outermost: what is counted is the status the caller got, errors turned into answers included.
     app = web.Application(middlewares=[metrics.middleware, errors_middleware], client_max_size=server.cfg.max_body_bytes)
@@ -409,6 +411,10 @@ def build_app(server: Server, batches=None) -> web.Application:
         from pipeline.serve.batch_api import BatchApi
 
         BatchApi(server, batches).routes(app)
+    if responses is not None:
+        from pipeline.serve.responses_api import ResponsesApi
+
+        ResponsesApi(server, responses, metrics.registry).routes(app)
     app.router.add_post("/v1/chat/completions", server.chat)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_get("/v1/models", server.models)

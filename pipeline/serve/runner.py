@@ -2,7 +2,8 @@
 
 Start: the tenant registry and the model catalog (each read to its end), the one client (its reply listener assigned to
 this process's reply partitions), the Batch API's index of files and batches and the driver of
-the batches this process owns (``batch.enabled``), then the HTTP listener. Stop (SIGTERM or SIGINT):
+the batches this process owns (``batch.enabled``), the stored responses (``responses.enabled``),
+then the HTTP listener. Stop (SIGTERM or SIGINT):
 
 1. the listening socket closes and ``/healthz`` says 503, so a load balancer moves on; a request
    that still arrives on an open connection is answered 503 (``Retry-After: 1``);
@@ -38,15 +39,20 @@ async def serve(settings, *, ready=None, stop: asyncio.Event | None = None) -> N
     await loop.run_in_executor(None, registry.start)
     models = ModelStore(settings)
     await loop.run_in_executor(None, models.start)
-    client = store = driver = None
+    client = store = driver = responses = None
     try:
         client = await loop.run_in_executor(None, lambda: AsyncLlmqClient(
             settings, reply_partitions=cfg.reply_partition_list(), signing_secret=RegistrySecrets(registry),
             producer_config={"linger.ms": cfg.producer_linger_ms}))
         if settings.batch.enabled:
             store, driver = await loop.run_in_executor(None, _start_batches, settings, registry)
+        if settings.responses.enabled:
+            from pipeline.responses.store import ResponseStore
+
+            responses = ResponseStore(settings)
+            await loop.run_in_executor(None, responses.start)
         server = Server(settings, registry, client, models)
-        runner = web.AppRunner(build_app(server, store), handler_cancellation=True, shutdown_timeout=1.0,
+        runner = web.AppRunner(build_app(server, store, responses), handler_cancellation=True, shutdown_timeout=1.0,
                                access_log=logging.getLogger("pipeline.serve.access") if cfg.access_log else None)
         await runner.setup()
         site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, backlog=1024)
@@ -70,6 +76,8 @@ async def serve(settings, *, ready=None, stop: asyncio.Event | None = None) -> N
             await loop.run_in_executor(None, driver.stop)
         if store is not None:
             await loop.run_in_executor(None, store.stop)
+        if responses is not None:
+            await loop.run_in_executor(None, responses.stop)
         if client is not None:
             await client.close()
         models.stop()
