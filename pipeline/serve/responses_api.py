@@ -36,7 +36,7 @@ from pipeline.responses.replay import replay_chunks
 from pipeline.responses.shapes import finish, input_items_page, model_messages, parse_create, render, with_ids
 from pipeline.responses.store import ResponseStore
 from pipeline.serve.errors import ApiError, bad_request, for_response, reason_code
-from pipeline.serve.shapes import parse_priority
+from pipeline.serve.shapes import CACHE_KEY_METADATA, parse_priority
 
 log = logging.getLogger("pipeline.serve.responses")
 
@@ -142,9 +142,10 @@ class ResponsesApi:
         rid = R.new_response_id()
         timeout_ms = self._timeout_ms(http, p.background)
         metadata = dict(p.metadata)
-        # The conversation's first response names the chain: the routing hint for a server's
-        # prefix cache (its earlier turns are this turn's prefix).
-        metadata["llmq.prefix_key"] = p.prompt_cache_key or (chain[0].id if chain else rid)
+        # The routing hint the workers place requests by (pipeline/worker/backends/affinity.py):
+        # the caller's prompt_cache_key, else the conversation's first response, since its
+        # earlier turns are this turn's prefix in a server's cache.
+        metadata[CACHE_KEY_METADATA] = p.prompt_cache_key or (chain[0].id if chain else rid)
         flex = p.service_tier == "flex"
         try:
             req = Request.new(caller.tenant, None, priority=band, model=model,
