@@ -148,3 +148,36 @@ def test_responses_api_with_the_openai_client(bootstrap, tmp_path):
         client.responses.delete(one.id)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(one.id)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_background_responses_survive_their_serve_process(bootstrap, tmp_path, sig):
+    """serve stopped (SIGTERM) or killed (SIGKILL) while background responses run: a serve process
+    started afterwards on another reply partition finishes every one from the responses topic."""
+    import signal
+
+    n = 100
+    s = make_settings(bootstrap)
+    s.worker.source = "dispatch"
+    create_pipeline_topics(s)
+    registry = registry_file(tmp_path / "tenants.toml", "LLMQ_TEST_SIGNED_SECRET")
+    env = {"LLMQ_TENANTS__FILE": str(registry), "LLMQ_TEST_SIGNED_SECRET": "x",
+           "LLMQ_RESPONSES__RECOVER_INTERVAL_S": "1.0"}
+    worker = _worker(s)
+    try:
+        with running_gateway(s, tmp_path, requests_per_window=1_000_000, env=env):
+            with running_serve(s, tmp_path, registry, reply_partitions="1", env=env, grace_s=1.0) as (url, proc, _):
+                client = _client(url)
+                ids = [client.responses.create(model="sim-small", input=f"question {i}", max_output_tokens=4,
+                                               background=True).id for i in range(n)]
+                proc.send_signal(getattr(signal, sig))
+                proc.wait(30)
+            with running_serve(s, tmp_path, registry, reply_partitions="2", env=env) as (url, _, log):
+                client = _client(url)
+                ended = [_poll(client, rid, timeout=120) for rid in ids]
+                assert [r.status for r in ended] == ["completed"] * n or \
+                    {r.status for r in ended} <= {"completed", "incomplete"}, {r.status for r in ended}
+                assert all(r.output_text for r in ended)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
