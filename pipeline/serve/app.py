@@ -414,7 +414,7 @@ def build_app(server: Server, batches=None, responses=None) -> web.Application:
     if responses is not None:
         from pipeline.serve.responses_api import ResponsesApi
 
-        ResponsesApi(server, responses, metrics.registry).routes(app)
+        ResponsesApi(server, responses, metrics).routes(app)
     app.router.add_post("/v1/chat/completions", server.chat)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_get("/v1/models", server.models)

@@ -1,5 +1,6 @@
 """What ``llmq serve`` exports on ``GET /metrics``: its HTTP requests by route and status, their
-latency, the requests waiting for their answers and the event streams open.
+latency, the requests waiting for their answers and the event streams open; the Responses API's
+responses ended by status and tier, background responses waiting, streams replayed.
 
 Routes are labelled by their pattern (``/v1/batches/{batch_id}``), never by the path a caller
 sent, so that the series stay few whatever callers ask for; a path no route matches is
@@ -32,6 +33,19 @@ class ServeMetrics:
         streams = Gauge("llmq_serve_open_streams", "Server-sent event streams open to callers",
                         registry=self.registry)
         streams.set_function(lambda: len(server.streams))
+        self.responses = Counter("llmq_serve_responses", "Responses API responses ended, by status and the "
+                                 "service tier that served them", ["status", "tier"], registry=self.registry)
+        self.stream_resumes = Counter("llmq_serve_response_stream_resumes", "Response streams resumed from the "
+                                      "chunks topic (GET /v1/responses/{id}?stream=true&starting_after=N)",
+                                      registry=self.registry)
+        self._pending = lambda: 0
+        waiting = Gauge("llmq_serve_responses_background_waiting", "Background responses stored and not ended yet, "
+                        "all serve processes' (the stored-responses topic)", registry=self.registry)
+        waiting.set_function(lambda: self._pending())
+
+    def count_pending(self, pending) -> None:
+        """``pending()``: how many background responses wait (the Responses API's store)."""
+        self._pending = pending
 
     @web.middleware
     async def middleware(self, http: web.Request, handler):

@@ -23,7 +23,6 @@ import time
 from dataclasses import replace
 
 from aiohttp import web
-from prometheus_client import Counter, Gauge
 
 from pipeline.errors import EncodeError, KafkaOperationError, LlmqError, RequestTimeoutError
 from pipeline.models import Priority, Request, Status, now_ms
@@ -58,7 +57,7 @@ def _json(doc, status: int = 200, headers=None) -> web.Response:
 
 
 class ResponsesApi:
-    def __init__(self, server, store: ResponseStore, registry=None):
+    def __init__(self, server, store: ResponseStore, metrics):
         self.server = server
         self.store = store
         self.settings = server.settings
@@ -66,13 +65,9 @@ class ResponsesApi:
         self.owned: dict[str, asyncio.Task] = {}
         self.scanner = AnswerScanner(server.settings)
         self._recovering: asyncio.Task | None = None
-        self.ended = Counter("llmq_serve_responses", "Responses API responses ended, by status and the service "
-                             "tier that served them", ["status", "tier"], registry=registry)
-        self.resumes = Counter("llmq_serve_response_stream_resumes", "Response streams replayed from the chunks "
-                               "topic (GET /v1/responses/{id}?stream=true)", registry=registry)
-        waiting = Gauge("llmq_serve_responses_background_waiting", "Background responses stored and not ended yet "
-                        "(all serve processes')", registry=registry)
-        waiting.set_function(lambda: len(self.store.pending()))
+        self.ended = metrics.responses
+        self.resumes = metrics.stream_resumes
+        metrics.count_pending(lambda: len(self.store.pending()))
 
     def routes(self, app: web.Application) -> None:
         r = app.router

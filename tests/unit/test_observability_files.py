@@ -86,7 +86,9 @@ _GATEWAY = (
 _SHARED_WITH_THE_GATEWAY = ("llmq_requests_total", "llmq_rejections_total", "llmq_dead_letters_total")
 #: llmq serve's own (pipeline/serve/metrics.py).
 _SERVE = ("llmq_serve_requests_total", "llmq_serve_request_seconds_bucket", "llmq_serve_request_seconds_sum",
-          "llmq_serve_request_seconds_count", "llmq_serve_inflight", "llmq_serve_open_streams")
+          "llmq_serve_request_seconds_count", "llmq_serve_inflight", "llmq_serve_open_streams",
+          "llmq_serve_responses_total", "llmq_serve_response_stream_resumes_total",
+          "llmq_serve_responses_background_waiting")
 EXPORTED = frozenset(_COUNTERS + _GAUGES + _GATEWAY + _SERVE
                      + tuple(h + s for h in _HISTOGRAMS for s in ("_bucket", "_sum", "_count")))
 #: Series Prometheus itself adds for every target.
