@@ -519,7 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("topics", "create the pipeline's topics (idempotent, verifies partition counts)",
                 "Creates the request, dispatch, response, dead-letter, cancellation, streamed-chunk, "
-                "completion-receipt, batch-file, batch and model-catalog topics with the partition counts and configs of the [topics] settings. Existing topics are left as they are; "
+                "completion-receipt, batch-file, batch, stored-response and model-catalog topics with the "
+                "partition counts and configs of the [topics] settings. Existing topics are left as they are; "
                 "one whose partition count differs is reported as MISMATCH and the exit status is 2 (llmq never "
                 "adds partitions: that would remap tenants' keys).")
     p.add_argument("action", choices=["create"])

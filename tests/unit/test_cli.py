@@ -145,10 +145,11 @@ def test_topics_help_names_every_kind_of_topic_it_creates(capsys):
         cli.build_parser().parse_args(["topics", "--help"])
     # argparse wraps at hyphens too: "dead-" and "letter" may land on two lines
     text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")
-    roles = {s.role.split()[-1] for s in pipeline_topics(Settings())}  # "streamed chunks" -> "chunks"
-    words = {"requests": "request", "admitted": "dispatch", "responses": "response", "letters": "dead-letter",
-             "cancellations": "cancellation", "chunks": "streamed-chunk", "receipts": "completion-receipt",
-             "files": "batch-file", "batches": "batch", "catalog": "model-catalog"}
+    roles = {s.role for s in pipeline_topics(Settings())}
+    words = {"requests": "request", "admitted": "dispatch", "responses": "response", "dead letters": "dead-letter",
+             "cancellations": "cancellation", "streamed chunks": "streamed-chunk",
+             "completion receipts": "completion-receipt", "batch files": "batch-file", "batches": "batch",
+             "model catalog": "model-catalog", "stored responses": "stored-response"}
     assert roles <= set(words), f"a kind of topic the help does not know: {roles - set(words)}"
     for role in roles:
         assert words[role] in text, f"`llmq topics --help` does not name the {role} topics"
