@@ -83,13 +83,15 @@ _GATEWAY = (
     "llmq_gateway_capacity", "llmq_gateway_arrival_rate", "llmq_gateway_load", "llmq_gateway_fairness_jain", "llmq_gateway_fairness_tenants",
     "llmq_gateway_shadow_decisions_total", "llmq_gateway_shadow_disagreements_total",
 )
-_SHARED_WITH_THE_GATEWAY = ("llmq_requests_total", "llmq_rejections_total", "llmq_dead_letters_total")
+#: What a process did about its own stalls (pipeline/observability/health.py): workers and gateways.
+_HEALTH = ("llmq_health_recoveries_total", "llmq_health_stalls_total")
+_SHARED_WITH_THE_GATEWAY = ("llmq_requests_total", "llmq_rejections_total", "llmq_dead_letters_total") + _HEALTH
 #: llmq serve's own (pipeline/serve/metrics.py).
 _SERVE = ("llmq_serve_requests_total", "llmq_serve_request_seconds_bucket", "llmq_serve_request_seconds_sum",
           "llmq_serve_request_seconds_count", "llmq_serve_inflight", "llmq_serve_open_streams",
           "llmq_serve_responses_total", "llmq_serve_response_stream_resumes_total",
           "llmq_serve_responses_background_waiting")
-EXPORTED = frozenset(_COUNTERS + _GAUGES + _GATEWAY + _SERVE
+EXPORTED = frozenset(_COUNTERS + _HEALTH + _GAUGES + _GATEWAY + _SERVE
                      + tuple(h + s for h in _HISTOGRAMS for s in ("_bucket", "_sum", "_count")))
 #: Series Prometheus itself adds for every target.
 PROMETHEUS_OWN = frozenset({"up"})
