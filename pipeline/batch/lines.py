@@ -1,7 +1,7 @@
 """An input file's lines, checked; the output and error files' lines. Pure, no I/O.
 
 An input line is OpenAI's ``{"custom_id", "method": "POST", "url", "body"}``, its body that of
-the batch's endpoint (checked by :func:`pipeline.serve.shapes.parse_body`, the same rules as
+the batch's endpoint (checked by :func:`pipeline.openai_api.chat.parse_body`, the same rules as
 ``llmq serve``'s own endpoints). A line that fails is not a failed batch: it goes to the error
 file with its reason, and the other lines run.
 
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from pipeline.models import Response, Status
-from pipeline.serve.errors import ApiError, for_response, reason_code
-from pipeline.serve.shapes import CHAT, COMPLETION, Parsed, parse_body, render
+from pipeline.openai_api.chat import CHAT, COMPLETION, Parsed, parse_body, render
+from pipeline.openai_api.errors import ApiError, for_response, reason_code
 
 _NAMESPACE = uuid.UUID("5b0c1a8e-7d2f-4c1e-9a43-6f1d2b8c9e10")
 #: Refusals that say "later", not "no": the line is sent again (a new attempt) after the wait.

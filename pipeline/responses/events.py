@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pipeline.openai_api.responses import output_item, render
 from pipeline.responses.record import COMPLETED, IN_PROGRESS, INCOMPLETE, QUEUED, StoredResponse, message_id
-from pipeline.responses.shapes import output_item, render
 
 
 class Events:

@@ -36,12 +36,12 @@ from aiohttp import web
 from pipeline.catalog.catalog import ModelCatalog
 from pipeline.errors import EncodeError, KafkaOperationError, LlmqError, RequestTimeoutError
 from pipeline.models import Priority, Request, Response, Status, now_ms
+from pipeline.openai_api.chat import CHAT, COMPLETION, Parsed, models_list, parse_body, parse_priority, render
+from pipeline.openai_api.errors import ApiError, bad_request, for_response
 from pipeline.policy.validation import validate_request
 from pipeline.serve.auth import Authenticator, Caller
-from pipeline.serve.errors import ApiError, bad_request, for_response
 from pipeline.serve.metrics import ServeMetrics
 from pipeline.serve.results import ResultStore
-from pipeline.serve.shapes import CHAT, COMPLETION, Parsed, models_list, parse_body, parse_priority, render
 from pipeline.serve.sse import stream_answer
 
 log = logging.getLogger("pipeline.serve")

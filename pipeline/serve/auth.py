@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from pipeline.models import Priority
-from pipeline.serve.errors import ApiError
+from pipeline.openai_api.errors import ApiError
 from pipeline.tenants.policy import cap_priority
 from pipeline.tenants.record import TenantRecord
 

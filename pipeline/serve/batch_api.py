@@ -28,7 +28,7 @@ from pipeline.batch import record as R
 from pipeline.batch.store import BatchStore
 from pipeline.errors import LlmqError
 from pipeline.models import Priority
-from pipeline.serve.errors import ApiError, bad_request
+from pipeline.openai_api.errors import ApiError, bad_request
 
 _BATCH_BANDS = (Priority.LOW, Priority.BACKGROUND)
 _READ_PIECE = 256 * 1024

@@ -26,16 +26,16 @@ from aiohttp import web
 
 from pipeline.errors import EncodeError, KafkaOperationError, LlmqError, RequestTimeoutError
 from pipeline.models import Priority, Request, Status, now_ms
+from pipeline.openai_api.chat import CACHE_KEY_METADATA, parse_priority
+from pipeline.openai_api.errors import ApiError, bad_request, for_response, reason_code
+from pipeline.openai_api.responses import finish, input_items_page, model_messages, parse_create, render, with_ids
 from pipeline.policy.service_tier import band_for, served_tier
 from pipeline.policy.validation import validate_request
 from pipeline.responses import record as R
 from pipeline.responses.events import Events, sse
 from pipeline.responses.recover import AnswerScanner
 from pipeline.responses.replay import replay_chunks
-from pipeline.responses.shapes import finish, input_items_page, model_messages, parse_create, render, with_ids
 from pipeline.responses.store import ResponseStore
-from pipeline.serve.errors import ApiError, bad_request, for_response, reason_code
-from pipeline.serve.shapes import CACHE_KEY_METADATA, parse_priority
 
 log = logging.getLogger("pipeline.serve.responses")
 

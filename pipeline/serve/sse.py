@@ -24,8 +24,8 @@ from aiohttp import web
 
 from pipeline.errors import EncodeError, KafkaOperationError, LlmqError, RequestTimeoutError
 from pipeline.models import Request
-from pipeline.serve.errors import ApiError, bad_request, for_response
-from pipeline.serve.shapes import CHAT, DONE, Parsed, chunk_event, chunk_events, sse, usage_event
+from pipeline.openai_api.chat import CHAT, DONE, Parsed, chunk_event, chunk_events, sse, usage_event
+from pipeline.openai_api.errors import ApiError, bad_request, for_response
 
 _DEADLINE_MARGIN_S = 2.0
 _HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

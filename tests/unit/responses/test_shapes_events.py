@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from pipeline.models import Priority, Response, Status
+from pipeline.openai_api.errors import ApiError
+from pipeline.openai_api.responses import finish, input_items_page, model_messages, parse_create, render, with_ids
 from pipeline.responses import record as R
 from pipeline.responses.events import Events, sse
-from pipeline.responses.shapes import finish, input_items_page, model_messages, parse_create, render, with_ids
-from pipeline.serve.errors import ApiError
 
 
 def _rec(**kw) -> R.StoredResponse:

@@ -9,9 +9,9 @@ import pytest
 
 from pipeline.errors import DecodeError, LimitExceeded
 from pipeline.models import Priority, Request
+from pipeline.openai_api.errors import for_reason
 from pipeline.serde import SINGLE_OBJECT_MAGIC, Codec, SchemaStore, SerdeLimits
 from pipeline.serde.fingerprint import schema_fingerprint
-from pipeline.serve.errors import for_reason
 from pipeline.testing import avro_string
 from tests.unit.serde import SCHEMAS_DIR, avro_body, full_request, history_schema, zigzag
 

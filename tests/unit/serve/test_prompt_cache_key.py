@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.serve.errors import ApiError
-from pipeline.serve.shapes import CACHE_KEY_METADATA, CHAT, COMPLETION, parse_body
+from pipeline.openai_api.chat import CACHE_KEY_METADATA, CHAT, COMPLETION, parse_body
+from pipeline.openai_api.errors import ApiError
 from pipeline.worker.backends.affinity import CACHE_KEY
 
 

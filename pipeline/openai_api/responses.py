@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.openai_api.errors import bad_request
 from pipeline.policy.service_tier import TIERS
 from pipeline.responses.record import COMPLETED, INCOMPLETE, StoredResponse, message_id
-from pipeline.serve.errors import bad_request
 
 _ACCEPTED = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "metadata",
                        "store", "stream", "stream_options", "background", "previous_response_id", "service_tier",
@@ -241,7 +241,7 @@ def finish(rec: StoredResponse, resp, served_tier: str, now_ms: int) -> StoredRe
     from dataclasses import replace
 
     from pipeline.models import Status
-    from pipeline.serve.errors import reason_code
+    from pipeline.openai_api.errors import reason_code
 
     out = replace(rec, served_tier=served_tier, updated_ms=now_ms, model=resp.model or rec.model)
     if resp.status is Status.COMPLETED:

@@ -7,9 +7,9 @@ from concurrent.futures import Future
 import pytest
 
 from pipeline.models import Chunk, Priority, Request, Response, Status
-from pipeline.serve.errors import ApiError, for_reason, for_response, retry_after_seconds
+from pipeline.openai_api.chat import (CHAT, COMPLETION, DONE, chunk_events, parse_body, render, sse, usage_event)
+from pipeline.openai_api.errors import ApiError, for_reason, for_response, retry_after_seconds
 from pipeline.serve.results import ResultStore
-from pipeline.serve.shapes import (CHAT, COMPLETION, DONE, chunk_events, parse_body, render, sse, usage_event)
 
 
 def test_chat_bodies_with_text_parts_stop_strings_and_ignored_knobs():

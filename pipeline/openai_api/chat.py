@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.models import Chunk, Priority, Response
-from pipeline.serve.errors import bad_request
+from pipeline.openai_api.errors import bad_request
 
 CHAT = "chat"
 COMPLETION = "completion"
