@@ -86,7 +86,8 @@ def _messages(body: dict) -> list[dict[str, Any]]:
     return out
 
 
-def _number(body: dict, key: str) -> float | None:
+def number(body: dict, key: str) -> float | None:
+    """``body[key]`` as a float (None when absent); 400 naming it when it is not a number."""
     value = body.get(key)
     if value is None:
         return None
@@ -149,7 +150,7 @@ def parse_body(body: Any, kind: str, default_max_tokens: int) -> Parsed:
         raise bad_request("max_tokens must be a positive integer", "max_tokens")
     fields["max_tokens"] = max_tokens
     for key in ("temperature", "top_p"):
-        value = _number(body, key)
+        value = number(body, key)
         if value is not None:
             fields[key] = value
     stop = body.get("stop")

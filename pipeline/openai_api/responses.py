@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.openai_api.chat import number
 from pipeline.openai_api.errors import bad_request
 from pipeline.policy.service_tier import TIERS
 from pipeline.responses.record import COMPLETED, INCOMPLETE, StoredResponse, message_id
@@ -89,15 +90,6 @@ def parse_input(value: Any) -> list[dict[str, Any]]:
     return items
 
 
-def _number(body: dict, key: str) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_request(f"{key} must be a number", key)
-    return float(value)
-
-
 def _string(body: dict, key: str) -> str | None:
     value = body.get(key)
     if value is not None and not isinstance(value, str):
@@ -152,8 +144,8 @@ def parse_create(body: Any) -> CreateParams:
     tier = body.get("service_tier")
     if tier is not None and tier not in TIERS:
         raise bad_request(f"service_tier must be one of {', '.join(TIERS)}", "service_tier")
-    params = CreateParams(model, items, _string(body, "instructions"), max_tokens, _number(body, "temperature"),
-                          _number(body, "top_p"), dict(meta), _flag(body, "store", True), _flag(body, "stream", False),
+    params = CreateParams(model, items, _string(body, "instructions"), max_tokens, number(body, "temperature"),
+                          number(body, "top_p"), dict(meta), _flag(body, "store", True), _flag(body, "stream", False),
                           _flag(body, "background", False), _string(body, "previous_response_id"), tier,
                           _string(body, "prompt_cache_key"), _string(body, "user") or _string(body, "safety_identifier"))
     if params.background and not params.store:
