@@ -13,8 +13,8 @@ URL): every worker ranks alike, with no state shared, and a server that goes awa
 its own anchors, each to its next-ranked server.
 
 **An index of what each server was sent** (this worker's own memory, as llm-d's approximate
-scorer keeps one): the prompt is cut into blocks of ``block_chars`` characters whose CRC-32s
-chain (a block matches only after the same whole prefix), and each server keeps an LRU of the
+scorer keeps one): the prompt is cut into blocks (``block_chars`` characters at its start,
+longer further in: :func:`block_ends`) whose CRC-32s chain (a block matches only after the same whole prefix), and each server keeps an LRU of the
 blocks routed to it, at most ``index_blocks``, entries older than ``ttl_s`` ignored. A
 request's *match* on a server is the longest run of its blocks, from the start, found there;
 it steers the choice only where it goes past the blocks many requests share (a conversation's
@@ -47,8 +47,10 @@ the index forgets that server's entries as old as the missing block.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
+from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Sequence
@@ -110,7 +112,28 @@ class Choice:
     seen_at: float | None = None  # when the deepest of them was last sent there
 
 
+#: Blocks of ``block_chars`` at a prompt's start; past them each block is this many times longer
+#: than the one before, up to ``_MAX_GROWTH`` times. Block ends depend on position only, so
+#: prompts that share a prefix share its blocks; a long prompt costs fewer hashes, and a match
+#: deep into it is known to a coarser grain, which costs nothing a routing decision needs.
+_FINE_BLOCKS, _GROWTH_EVERY, _MAX_GROWTH = 32, 16, 16
+
+
+@functools.lru_cache(maxsize=8)
+def block_ends(block_chars: int, max_blocks: int) -> tuple[int, ...]:
+    """Where a prompt's blocks end (in bytes of its UTF-8 text)."""
+    ends, end, size = [], 0, block_chars
+    for i in range(max_blocks):
+        if i >= _FINE_BLOCKS and (i - _FINE_BLOCKS) % _GROWTH_EVERY == 0 and size < block_chars * _MAX_GROWTH:
+            size *= 2
+        end += size
+        ends.append(end)
+    return tuple(ends)
+
+
 def _role_and_content(m: Any) -> tuple[str, str]:
+    if type(m) is dict:
+        return m.get("role") or "", m.get("content") or ""
     if isinstance(m, Mapping):
         return str(m.get("role") or ""), str(m.get("content") or "")
     return str(getattr(m, "role", "") or ""), str(getattr(m, "content", "") or "")
@@ -142,23 +165,29 @@ def prompt_key(request: Any, config: AffinityConfig) -> PromptKey:
         text = "".join(parts)
     else:
         text = str(getattr(request, "prompt", "") or "")
+    ascii_text = text.isascii()
     data = text.encode("utf-8", "surrogatepass")
     size = config.block_chars
+    ends = block_ends(size, config.max_blocks)
     if anchor_end is None:
         anchor_end = size * config.anchor_blocks
         shared = config.anchor_blocks
     else:
-        shared = system_end // size
-        anchor_end = len(text[:anchor_end].encode("utf-8", "surrogatepass")) if not text.isascii() else anchor_end
-    view = memoryview(data)
+        if not ascii_text:
+            system_end = len(text[:system_end].encode("utf-8", "surrogatepass"))
+            anchor_end = len(text[:anchor_end].encode("utf-8", "surrogatepass"))
+        shared = bisect_right(ends, system_end)
     blocks = []
+    append = blocks.append
     crc = model
     crc32 = zlib.crc32
-    end = min(len(data) - len(data) % size, size * config.max_blocks)
-    for i, start in enumerate(range(0, end, size)):
-        crc = crc32(view[start:start + size], crc)
-        blocks.append(crc | (i << 32))
-    anchor = crc32(view[:anchor_end], model)
+    start = 0
+    for i in range(bisect_right(ends, len(data))):
+        end = ends[i]
+        crc = crc32(data[start:end], crc)
+        append(crc | (i << 32))
+        start = end
+    anchor = crc32(data[:anchor_end], model)
     metadata = getattr(request, "metadata", None)
     key = metadata.get(CACHE_KEY) if metadata else None
     if key:
