@@ -58,11 +58,14 @@ TTFT_MS, MS_PER_TOKEN, PREFILL_MS_PER_TOKEN, TOKENS = 5, 10, 0.2, 8
 #: user's next turn would take the slot its last turn just freed, whatever the routing.
 USERS, SATURATING_USERS, THINK_S = 3 * SERVERS * SLOTS, 6 * SERVERS * SLOTS, 1.0
 TURNS, SYSTEMS, ONE_OFF_SHARE = 5, 4, 0.15
+FIRST_TURN_WORDS, LATER_TURN_WORDS = 500, 30
 WARM_S = 6.0
-MEASURE_S = float(os.environ.get("LLMQ_PREFIX_BENCH_MEASURE_S", "30"))
+MEASURE_S = float(os.environ.get("LLMQ_PREFIX_BENCH_MEASURE_S", "20"))
 TARGET = {"hit_ratio_over_oracle": 0.9, "later_ttft_p50_ratio": 0.5, "throughput_ratio": 1.3,
           "requests_max_over_mean": 1.25, "one_off_ttft_p99_ratio": 1.05, "two_workers_hit_over_oracle": 0.85,
           "decision_us": 50.0}
+#: The servers' KV cache, tokens (default: max_num_seqs x max_model_len, as the simulator's).
+_KV = ("--kv-cache-tokens", os.environ["LLMQ_PREFIX_BENCH_KV_TOKENS"]) if os.environ.get("LLMQ_PREFIX_BENCH_KV_TOKENS") else ()
 _WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",
           "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango")
 
@@ -150,7 +153,10 @@ async def _users(client, one_off_only: bool, oracle: Oracle, measure_from: float
                 if time.monotonic() >= stop_at:
                     return
                 if not one_off:
-                    messages.append({"role": "user", "content": f"turn {turn} of {u}: " + _text(rng, 100)})
+                    # The first turn brings its material (a document, code, a tool's output), the
+                    # later ones short follow-ups: the history is mostly the conversation's own.
+                    words = FIRST_TURN_WORDS if turn == 1 else LATER_TURN_WORDS
+                    messages.append({"role": "user", "content": f"turn {turn} of {u}: " + _text(rng, words)})
                 req = Request.new(f"t{rng.randrange(16)}", None, messages=[dict(m) for m in messages],
                                   model="sim-small", priority=Priority.NORMAL, max_tokens=TOKENS, timeout_ms=120_000)
                 sent = time.monotonic()
@@ -179,7 +185,7 @@ def _run(settings: Settings, workdir: Path, mode: str, seed: int) -> dict:
     s = fresh(settings)
     sims = [SimulatorProcess("--served-model-name", "sim-small", "--max-num-seqs", str(SLOTS), "--ttft-ms",
                              str(TTFT_MS), "--ms-per-token", str(MS_PER_TOKEN), "--prefill-ms-per-token",
-                             str(PREFILL_MS_PER_TOKEN), "--max-model-len", "8192") for _ in range(SERVERS)]
+                             str(PREFILL_MS_PER_TOKEN), "--max-model-len", "8192", *_KV) for _ in range(SERVERS)]
     affinity = not mode.endswith("least_loaded")
     users = SATURATING_USERS if mode.startswith("saturated") else USERS
     workers = [_worker(s, workdir, f"{mode}-{i}", [x.base_url for x in sims], affinity)
@@ -336,7 +342,9 @@ def prefix_routing(settings: Settings, args) -> dict:
     out["conditions"] = (f"{SERVERS} simulator processes, {SLOTS} slots each, {TTFT_MS} ms per joiner + "
                          f"{PREFILL_MS_PER_TOKEN} ms per uncached prompt token, {MS_PER_TOKEN} ms/token, "
                          f"{TOKENS}-token answers; {USERS} closed-loop users ({SATURATING_USERS} for saturation), conversations of "
-                         f"{TURNS} turns over {SYSTEMS} shared system prompts, {ONE_OFF_SHARE:.0%} one-off prompts; "
+                         f"{TURNS} turns over {SYSTEMS} shared system prompts (a first turn of {FIRST_TURN_WORDS} words, "
+                         f"follow-ups of {LATER_TURN_WORDS}, thinking {THINK_S:g} s on average between turns), "
+                         f"{ONE_OFF_SHARE:.0%} one-off prompts; "
                          f"streamed through llmq workers on the request topics; {WARM_S:.0f} s warm-up, "
                          f"{MEASURE_S:.0f} s measured per run; all on one 2-core machine with the broker")
     return out

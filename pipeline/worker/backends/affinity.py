@@ -36,7 +36,8 @@ the index forgets that server's entries as old as the missing block.
    server costs it its cache.
 2. Of those with a free pacing slot, the one with the longest match (at least
    ``min_match_blocks``), ties and no match going to the best-ranked: the placement.
-3. A request whose wanted server is within its bound but has no free slot while it holds the
+3. A request whose wanted server has no free slot (or one more call would put it over its
+   bound, but it is within once one of its calls ends) while it holds the
    prefix (a match, or a conversation's later turn, or a ``prompt_cache_key``) waits for it
    up to ``wait_s`` (its slot frees within a call's time over its slots), instead of
    recomputing its prefix elsewhere; then it goes to the best other. A one-off prompt never
@@ -304,7 +305,10 @@ class PrefixAffinity:
         loads = [load(s) for s in servers]
         frees = [free(s) > 0 for s in servers]
         cap = max(math.ceil((1.0 + cfg.epsilon) * (sum(loads) + 1.0) / n), cfg.bound_floor)
+        # Taking it now must keep a server within the bound; waiting for a server is allowed while
+        # it is within the bound once one of its calls ends (its slot frees, its load drops).
         within = [loads[i] + 1.0 <= cap for i in range(n)]
+        within_later = [loads[i] <= cap for i in range(n)]
         blocks, min_match, shared = key.blocks, cfg.min_match_blocks, key.shared
         best = wanted = None
         best_score = wanted_score = None
@@ -312,12 +316,12 @@ class PrefixAffinity:
         for i, server in enumerate(servers):
             m = self.match(server, blocks, now)
             matches.append(m)
-            if not within[i]:
+            if not within_later[i]:
                 continue
             score = (m[0] if m[0] - shared >= min_match else 0, self.rank(server, key.anchor))
             if wanted_score is None or score > wanted_score:
                 wanted, wanted_score = i, score
-            if frees[i] and (best_score is None or score > best_score):
+            if within[i] and frees[i] and (best_score is None or score > best_score):
                 best, best_score = i, score
         if wanted is not None and wanted != best and (wanted_score[0] > 0 or key.continued) and cfg.wait_s > 0:
             entry = self._deferred.get(request_id) if request_id else None
