@@ -166,3 +166,21 @@ def test_a_shared_system_prompt_does_not_draw_new_conversations_to_one_server():
         assert key.shared > 0 and aff.match(SERVERS[0], key.blocks, 1.0)[0] >= key.shared
         picks[aff.choose(key, SERVERS, _loads(), _free(), 1.0).server] += 1
     assert max(picks.values()) / (399 / 4) < 1.2
+
+
+def test_a_full_server_at_its_bound_is_still_waited_for_since_its_load_drops_before_it_takes_more():
+    aff = PrefixAffinity(AffinityConfig(bound_floor=1, epsilon=0.25))
+    first = prompt_key(_chat(11, 1), aff.config)
+    home = aff.choose(first, SERVERS, _loads(), _free(), 0.0).server
+    aff.record(home, first, 0.0)
+    # Home full (4 of 4 slots) with 10 calls in all: one more would be over ceil(1.25 * 11 / 4) = 4.
+    loads = {s: 2.0 for s in SERVERS}
+    loads[home] = 4.0
+    waiting = aff.choose(prompt_key(_chat(11, 2), aff.config), SERVERS, loads.__getitem__, _free({home: 0}), 1.0,
+                         request_id="r")
+    assert waiting.server is None and waiting.reason == "deferred"
+    # Over the bound even once a call ends: it does not wait.
+    loads[home] = 6.0
+    moved = aff.choose(prompt_key(_chat(11, 2), aff.config), SERVERS, loads.__getitem__, _free({home: 0}), 1.0,
+                       request_id="r2")
+    assert moved.server not in (None, home)
