@@ -6,11 +6,12 @@ from __future__ import annotations
 class FakeMessage:
     """Quacks like confluent_kafka.Message for ``Worker._handle``."""
 
-    __slots__ = ("_topic", "_partition", "_offset", "_value", "_key", "_headers")
+    __slots__ = ("_topic", "_partition", "_offset", "_value", "_key", "_headers", "_timestamp")
 
-    def __init__(self, topic, partition, offset, value, key=None, headers=None):
+    def __init__(self, topic, partition, offset, value, key=None, headers=None, timestamp_ms: int | None = None):
         self._topic, self._partition, self._offset = topic, partition, offset
         self._value, self._key, self._headers = value, key, headers
+        self._timestamp = timestamp_ms
 
     def error(self):
         return None
@@ -32,6 +33,10 @@ class FakeMessage:
 
     def headers(self):
         return self._headers
+
+    def timestamp(self):
+        """(type, ms) as confluent_kafka gives it: create time, or (0, -1) for none."""
+        return (0, -1) if self._timestamp is None else (1, self._timestamp)
 
 
 def produce_request(producer, settings, codec, request, topic: str | None = None) -> None:

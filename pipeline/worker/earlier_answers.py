@@ -11,6 +11,18 @@ copy's own answer would go, from the first admission on, and gives it again byte
 Nothing found (the first copy never went out, or the answer is older than what the topic
 keeps): the copy runs as a new request.
 
+The same holds for a record the partition's previous owner may have answered without committing
+it (killed, or frozen past its session, between answering and committing): its next owner takes
+it again with no memory of the id. Running it again gives a second COMPLETED answer, the same
+status; but answering it EXPIRED (its deadline passed meanwhile) or CANCELLED (a cancellation
+came meanwhile: serve withdraws a request whose write timed out) would give the id a second,
+*different* status. So before a worker answers EXPIRED or CANCELLED a record that may have been
+answered (:func:`may_be_answered`: a copy dispatched again, or a record written before its
+partition was assigned here), it reads the first answer back, and gives it again if there is
+one. Such reads must say yes or no: they skip the cool-down below and are tried again while the
+broker cannot answer. They cost nothing in steady state: only records expiring or cancelled
+soon after a rebalance (or copies dispatched again) are looked up.
+
 One consumer, assigned per lookup, never in a group; lookups run one at a time off the event
 loop (they are rare: a copy reaching a worker that did not take the first).
 """
@@ -39,6 +51,11 @@ LOOKUP_TIMEOUT_S = 10.0
 #: After a lookup the broker could not answer (a leader down), how long copies run as new without
 #: one: lookups go one at a time, and each would wait out its timeout again.
 COOL_DOWN_S = 10.0
+#: What :meth:`EarlierAnswers.find` returns, asked for a sure answer, when the broker could not
+#: be read: neither found nor known to be absent.
+UNREADABLE = "unreadable"
+#: A timestamp type that says the record has none (confluent_kafka.TIMESTAMP_NOT_AVAILABLE).
+_NO_TIMESTAMP = 0
 
 
 def dispatched_again(headers: list | None) -> bytes | None:
@@ -55,6 +72,22 @@ def redelivered(headers: list | None) -> bool:
     """Whether the gateway dispatched this id again because it read its request record again
     (a failover), not because a client asked again."""
     return dispatched_again(headers) == REDELIVERED
+
+
+def may_be_answered(headers: list | None, timestamp: tuple[int, int] | None, assigned_at_ms: int | None) -> bool:
+    """Whether a record (its ``headers`` and ``timestamp`` as ``Message.timestamp()`` gives it)
+    may have been answered already by a worker other than this one: the gateway dispatched its id
+    again, or it was written before its partition was assigned here (``assigned_at_ms``, less the
+    clock skew between the gateway's host and this one; None: no previous owner to ask about,
+    as for a worker driven without a broker, or exactly-once, where an answer is visible only with
+    its committed offset), so that the partition's previous owner may have taken it."""
+    if dispatched_again(headers) is not None:
+        return True
+    if assigned_at_ms is None:
+        return False
+    if timestamp is None or timestamp[0] == _NO_TIMESTAMP or timestamp[1] < 0:
+        return True
+    return timestamp[1] < assigned_at_ms + CLOCK_SKEW_MS
 
 
 def first_terminal(records: Iterable, request_id: str, decode: Callable) -> tuple[bytes, bytes] | None:
@@ -101,18 +134,25 @@ class EarlierAnswers:
         count = self.partitions(topic)
         return tenant_partition(key, count) if count else None
 
-    def find(self, topic: str, partition: int, request_id: str, since_ms: int) -> tuple[bytes, bytes] | None:
+    def find(self, topic: str, partition: int, request_id: str, since_ms: int,
+             surely: bool = False) -> tuple[bytes, bytes] | None | str:
         """The first terminal answer to ``request_id`` in ``topic``[``partition``] at or after
         ``since_ms`` (less the clock skew), or None. Blocking: run it off the event loop. A Kafka
-        error is a miss: the copy then runs as new, as it would have."""
+        error is a miss: the copy then runs as new, as it would have. ``surely``: the answer
+        decides a status (EXPIRED, CANCELLED) that must not differ from a first one, so the
+        cool-down does not apply and a Kafka error returns :data:`UNREADABLE` (ask again later)."""
         with self._lock:
-            if time.monotonic() - self._failed_at < COOL_DOWN_S:
+            if not surely and time.monotonic() - self._failed_at < COOL_DOWN_S:
                 answer = None  # the broker could not answer the last one: no waiting it out again
             else:
                 try:
                     answer = self._scan(topic, partition, request_id, max(0, since_ms - CLOCK_SKEW_MS))
                 except KafkaException as exc:
                     self._failed_at = time.monotonic()
+                    if surely:
+                        log.warning("could not read back %s[%d] for the first answer to %s (%s); asking again "
+                                    "before answering it", topic, partition, request_id, exc.args[0])
+                        return UNREADABLE
                     log.warning("could not read back %s[%d] for the first answer to a copy (%s); running it, "
                                 "and the copies of the next %.0f s without looking", topic, partition,
                                 exc.args[0], COOL_DOWN_S)
