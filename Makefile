@@ -10,7 +10,7 @@ help:
 	@echo "make demo   - set up, start a local Kafka, run workers and a mixed load, print a summary"
 	@echo "make test   - set up, then the whole test suite (starts and stops its own broker)"
 	@echo "make bench  - set up, run the benchmark scenarios, write bench/results.json"
-	@echo "make chaos  - set up, run the fault harness on a 3-node cluster (leaders killed, a node frozen, restarts) in both modes"
+	@echo "make chaos  - set up, run the fault harness on a 3-node cluster (leaders killed, a node frozen, restarts) in both modes; SOAK=30: a 30-minute soak a mode, a fault every minute"
 	@echo "make screenshot - the demo's load in Prometheus's web UI, as docs/prometheus-demo.png (needs chromium)"
 	@echo "make setup  - create .venv, install llmq into it, fetch the Kafka jars and promtool (cached)"
 
@@ -53,9 +53,10 @@ bench: setup
 # Fault harness on a three-node cluster: partition leaders SIGKILLed, a node frozen, the cluster
 # restarted, a worker killed and one frozen, calls longer than max.poll.interval.ms, with gateways,
 # SDK and serve traffic, in both delivery modes; writes bench/chaos.json (about 15 minutes).
+# SOAK=MINUTES: that long a mode instead, with a fault every minute (bench/chaos.py --soak).
 .PHONY: chaos
 chaos: setup
-	$(BIN)/python bench/chaos.py
+	$(BIN)/python bench/chaos.py $(if $(SOAK),--soak $(SOAK))
 
 # docs/prometheus-demo.png: the real stack under the demo's load in Prometheus's web UI, taken with
 # headless Debian chromium (apt-get install chromium); about two minutes.

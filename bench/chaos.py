@@ -24,6 +24,12 @@ exactly-once mode the gateways and the workers both run exactly-once.
 
     python bench/chaos.py                                  # both modes
     python bench/chaos.py --modes exactly-once --seed 7 --requests 4000
+    python bench/chaos.py --soak 30                        # 30 minutes a mode, a fault every minute
+
+A soak (``--soak MINUTES``) writes at ``--rate`` for that long in each mode, with one fault a
+minute (the kinds in turn, each once per round in a random order), then waits for the answers.
+The logs of a mode that fails are kept (in LLMQ_CHAOS_KEEP_LOGS if set, which keeps every
+mode's; else in a directory named on the way out).
 
 Writes bench/chaos.json. Exit status 1 when, in any mode, a request was not COMPLETED or wrongly
 answered, a caller waited past its deadline, an answer was duplicated in exactly-once mode, or a
@@ -51,7 +57,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import httpx  # noqa: E402
 
-from chaos_faults import CLUSTER_FAULTS, WORKER_FAULTS, Faults, Supervised, fault_plan  # noqa: E402
+from chaos_faults import (CLUSTER_FAULTS, MAX_SOAK_MINUTES, WORKER_FAULTS, Faults, Supervised,  # noqa: E402
+                          fault_plan, soak_plan)
 from chaos_load import Pacer, ResponseCounter, SdkCallers, ServeCallers, fresh_counter, locate  # noqa: E402
 from pipeline.broker import free_port, lasting_ports  # noqa: E402
 from pipeline.cluster import LocalCluster  # noqa: E402
@@ -172,9 +179,11 @@ def run_mode(mode: str, cluster: LocalCluster, args, rng: random.Random, log_dir
          f"workers {mode}; starting 2 gateways, {args.workers} workers, serve")
     pipeline.start()
     n = args.requests
-    plan = fault_plan(rng, CLUSTER_FAULTS + WORKER_FAULTS)
+    kinds = CLUSTER_FAULTS + WORKER_FAULTS
+    plan = soak_plan(rng, args.soak, kinds) if args.soak else fault_plan(rng, kinds)
     _log(f"[{mode}] {n:,} requests at {args.rate:g}/s through a plain producer, plus SDK and serve callers; "
-         f"fault plan: " + ", ".join(f"{k} at {p:.0%}" for p, k in plan))
+         f"fault plan: " + (f"{len(plan)} faults, one a minute" if args.soak else
+                            ", ".join(f"{k} at {p:.0%}" for p, k in plan)))
     faults = Faults(cluster, settings, pipeline.workers, rng, lambda m: _log(f"[{mode}] {m}"),
                     down_s=args.leader_down_s, freeze_s=args.freeze_s, worker_stop_s=SESSION_TIMEOUT_MS / 1000 + 4)
     counter = ResponseCounter(settings)
@@ -302,6 +311,29 @@ def failed(mode: str, r: dict) -> list[str]:
     return why
 
 
+def keep_logs(log_dir: Path, mode: str, seed: int) -> Path:
+    """Copy the logs of ``mode``'s processes out of the run's temporary directory (which goes at
+    the end): to LLMQ_CHAOS_KEEP_LOGS if set, else to a directory of the seed's. Returns it."""
+    import shutil
+
+    dest = Path(os.environ.get("LLMQ_CHAOS_KEEP_LOGS") or Path(tempfile.gettempdir()) / f"llmq-chaos-failed-{seed}")
+    for path in log_dir.glob(f"{mode}-*"):
+        if path.is_dir():
+            shutil.copytree(path, dest / path.name, dirs_exist_ok=True)
+        else:
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dest / path.name)
+    return dest
+
+
+def soak_minutes(value: str) -> int:
+    """``--soak``'s argument: whole minutes, within the bound."""
+    minutes = int(value)
+    if not 1 <= minutes <= MAX_SOAK_MINUTES:
+        raise argparse.ArgumentTypeError(f"a soak runs 1-{MAX_SOAK_MINUTES} minutes")
+    return minutes
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=8_000, help="requests per mode from the producer (default 8,000)")
@@ -321,8 +353,17 @@ def main(argv=None) -> int:
     parser.add_argument("--stall-s", type=float, default=15.0,
                         help="no new response this long: check with a fresh reader (default 15)")
     parser.add_argument("--seed", type=int, help="fault schedule seed (default: random, printed)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="give up on a mode after this many seconds")
+    parser.add_argument("--timeout", type=float,
+                        help="give up on a mode after this many seconds (default 900; a soak: its minutes plus 900 s)")
+    parser.add_argument("--soak", type=soak_minutes, metavar="MINUTES",
+                        help="soak each mode for MINUTES (1-%d): requests at --rate for that long (in place of "
+                             "--requests) with one fault a minute, every kind in turn; stops by itself once the "
+                             "answers are in or --timeout passes" % MAX_SOAK_MINUTES)
     args = parser.parse_args(argv)
+    if args.soak:
+        args.requests = max(1, round(args.rate * args.soak * 60))
+    if args.timeout is None:
+        args.timeout = 900.0 + (args.soak or 0) * 60.0
     # The harness's own SDK client would log every connection a fault breaks; the processes'
     # logs keep theirs.
     logging.getLogger("pipeline").setLevel(logging.ERROR)
@@ -342,9 +383,13 @@ def main(argv=None) -> int:
     _log(f"starting a {args.nodes}-node chaos cluster at {cluster.bootstrap} (data in {cluster.data_dir})")
     cluster.up()
     results = {}
+    kept = {}
     try:
         for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
             results[mode] = run_mode(mode, cluster, args, rng, log_dir)
+            if failed(mode, results[mode]):
+                kept[mode] = keep_logs(log_dir, mode, seed)
+                _log(f"[{mode}] failed: its processes' logs kept in {kept[mode]}")
     finally:
         cluster.down()
         keep = os.environ.get("LLMQ_CHAOS_KEEP_LOGS")
@@ -359,7 +404,8 @@ def main(argv=None) -> int:
     existing["modes"] = {**existing.get("modes", {}), **results}
     existing["conditions"] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpus": os.cpu_count(), "seed": seed,
                               "kafka": base.broker.kafka_version, "nodes": args.nodes,
-                              "replication_factor": args.nodes, "min_insync_replicas": min(2, args.nodes - 1)}
+                              "replication_factor": args.nodes, "min_insync_replicas": min(2, args.nodes - 1),
+                              "soak_minutes": args.soak}
     OUT.write_text(json.dumps(existing, indent=2) + "\n")
 
     print(f"\n{'mode':<15} {'requests':>9} {'lost':>6} {'wrong':>6} {'duplicates':>11} {'faults':>7} "
@@ -372,6 +418,8 @@ def main(argv=None) -> int:
         why = failed(mode, r)
         for w in why:
             print(f"  FAILED ({mode}): {w}")
+        if mode in kept:
+            print(f"  logs of {mode}'s processes: {kept[mode]}")
         bad |= bool(why)
     print(f"\n(written to {OUT.relative_to(ROOT)}; seed {seed})")
     return 1 if bad else 0

@@ -3,7 +3,8 @@
 * :class:`Supervised`: an llmq process (gateway, worker, serve) restarted when it exits by itself,
   as systemd or Kubernetes would; each such exit is counted.
 * :func:`fault_plan`: which faults, when (fractions of the run), spaced so that each one's recovery
-  overlaps the next one's rather than the same instant.
+  overlaps the next one's rather than the same instant; :func:`soak_plan`: one a minute, for a
+  soak (``bench/chaos.py --soak MINUTES``).
 * :class:`Faults`: injects them on a :class:`~pipeline.cluster.LocalCluster` and the pool:
 
   - ``leader:<role>``: SIGKILL the node leading partition 0 of the request, dispatch or response
@@ -78,6 +79,30 @@ def fault_plan(rng: random.Random, kinds: list[str], first: float = 0.05, last: 
     rng.shuffle(kinds)
     slot = (last - first) / len(kinds)
     return [(first + i * slot + rng.uniform(0.2, 0.8) * slot, kind) for i, kind in enumerate(kinds)]
+
+
+#: The longest soak ``soak_plan`` schedules: a day, so that a mistyped figure cannot run for ever.
+MAX_SOAK_MINUTES = 24 * 60
+#: Where in its minute a soak's fault starts: early enough that the slowest fault (a leader
+#: down for its ``down_s`` and its successor found) mostly ends within the minute.
+SOAK_START_S = (5.0, 25.0)
+
+
+def soak_plan(rng: random.Random, minutes: int, kinds: list[str]) -> list[tuple[float, str]]:
+    """One fault a minute for ``minutes`` minutes, as ``fault_plan`` gives them (fractions of the
+    run, in order): minute ``i``'s fault starts between ``SOAK_START_S`` seconds into it, and the
+    kinds come round in decks, each deck every kind once in a random order, so that a soak of
+    ``len(kinds)`` minutes or more injects every kind."""
+    if not 1 <= minutes <= MAX_SOAK_MINUTES:
+        raise ValueError(f"a soak runs 1-{MAX_SOAK_MINUTES} minutes, not {minutes}")
+    plan, deck = [], []
+    total_s = minutes * 60.0
+    for minute in range(minutes):
+        if not deck:
+            deck = list(kinds)
+            rng.shuffle(deck)
+        plan.append(((minute * 60.0 + rng.uniform(*SOAK_START_S)) / total_s, deck.pop()))
+    return plan
 
 
 class Faults:
