@@ -373,7 +373,7 @@ class Worker:
         self.flow.assignment_changed = True
         log.info("assigned %s", _fmt(partitions))
         self.assigned = self.assigned | {(p.topic, p.partition) for p in partitions}
-        self.processor.assigned((p.topic, p.partition) for p in partitions)
+        self.processor.read_back.assigned((p.topic, p.partition) for p in partitions)
         self.checkpoint.assigned(consumer, partitions)
 
     def on_revoke(self, consumer, partitions) -> None:

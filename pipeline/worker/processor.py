@@ -15,22 +15,18 @@ import logging
 import time
 
 from pipeline.errors import DecodeError, LimitExceeded
-from pipeline.models import REDELIVERED, Request, now_ms
+from pipeline.models import Request, now_ms
 from pipeline.policy.validation import validate_request
 from pipeline.worker.backends.base import Backend, CatalogedBackend, PacedBackend, StreamingBackend
 from pipeline.worker.backends.routing import UnknownModelError
 from pipeline.worker.chunk_publisher import stream_completion
 from pipeline.worker.context import WorkerContext
 from pipeline.worker.dedupe import IN_FLIGHT
-from pipeline.worker.earlier_answers import UNREADABLE, dispatched_again, may_be_answered, redelivered
+from pipeline.worker.earlier_answers import dispatched_again, redelivered
+from pipeline.worker.read_back import ReadBack
 from pipeline.worker.records import Answered, Taken
 
 log = logging.getLogger(__name__)
-
-#: A sure read-back (before EXPIRED or CANCELLED, see earlier_answers.py) the broker could not
-#: answer is asked again this often, this many times; then the record is answered as it is.
-_SURE_RETRY_S = 5.0
-_SURE_TRIES = 6
 
 
 class Processor:
@@ -60,9 +56,9 @@ class Processor:
         #: The messages the last :meth:`process` put back.
         self.put_back: list = []
         self._model_of: dict[tuple, str] = {}  # running call's key → its model
-        #: At-least-once: when each partition was assigned here (ms). Records written before it
-        #: may have been answered by its previous owner (earlier_answers.may_be_answered).
-        self.assigned_at: dict[tuple[str, int], int] = {}
+        #: First answers read back (copies dispatched again; records that may have been answered
+        #: elsewhere, before they are answered EXPIRED or CANCELLED).
+        self.read_back = ReadBack(ctx, self.tasks)
 
     @property
     def backend(self) -> Backend:
@@ -90,15 +86,7 @@ class Processor:
         self._task_of.clear()
         self._preempted.clear()
         self._model_of.clear()
-        self.assigned_at.clear()
-
-    def assigned(self, partitions) -> None:
-        """``partitions`` (``(topic, partition)``) are this worker's from now on."""
-        if self.exactly_once:
-            return  # an answer is visible only with its offset committed: nothing to look up
-        now = now_ms()
-        for tp in partitions:
-            self.assigned_at[tp] = now
+        self.read_back.forget()
 
     # -- a chunk ---------------------------------------------------------------------------
 
@@ -143,12 +131,13 @@ class Processor:
         started = now_ms()
         cancellations = self.session.cancellations
         seen, partial, prefix = self.recent.check, functools.partial, self.topics_prefix
+        may_be_answered = self.read_back.may_be_answered
         # Answers go out in message order (a copy of a request answered in the same chunk is
         # given that answer): message by message, either a deferred answer (a callable) or a
         # Taken whose answer the backend stage fills in (or replaces by a FAILED one).
         outcomes: list = []
         runnable = []
-        settling = []  # EXPIRED or CANCELLED once no first answer is found (see _settle)
+        settling = []  # EXPIRED or CANCELLED once no first answer is found (read_back.py)
         for waiting in entries:
             msg, request = waiting.item
             tp, offset = (msg.topic(), msg.partition()), msg.offset()
@@ -171,14 +160,14 @@ class Processor:
                 cancelled = cancellations.reason(request.request_id)
                 if cancelled is not None:
                     answer = partial(responder.cancelled, tp, offset, request, started, cancelled)
-                    if self._may_be_answered(msg, tp, request):
+                    if may_be_answered(msg, tp, request):
                         settling.append((answer, msg.headers()))
                     else:
                         outcomes.append(answer)
                     continue
             if request.created_at + request.timeout_ms <= started:
                 answer = partial(responder.expire, tp, offset, request, started)
-                if self._may_be_answered(msg, tp, request):
+                if may_be_answered(msg, tp, request):
                     settling.append((answer, msg.headers()))
                 else:
                     outcomes.append(answer)
@@ -195,19 +184,8 @@ class Processor:
         else:
             self._respond_in_order(outcomes, started)
         for answer, headers in settling:
-            self._settle(answer, dispatched_again(headers))
+            self.read_back.settle(answer, dispatched_again(headers))
         return put_back
-
-    def _may_be_answered(self, msg, tp, request: Request) -> bool:
-        """Whether the record may have been answered by another worker (or this one before a
-        restart), whose first answer can be read back."""
-        if not self.earlier.enabled or request.admitted_at is None:
-            return False
-        assigned_at = self.assigned_at.get(tp)
-        headers = msg.headers()
-        if assigned_at is None and not headers:
-            return False
-        return may_be_answered(headers, msg.timestamp() if assigned_at is not None else None, assigned_at)
 
     def _run(self, runnable: list, outcomes: list, done: list, started: int, max_start: int | None) -> int:
         """The backend stage: an answer now, or a call that runs as a task (once the backend
@@ -325,7 +303,7 @@ class Processor:
             backend = self.backend
             completion = None
             if look_back is not None:
-                if await self._answered_before(tp, offset, request, look_back):
+                if await self.read_back.answered_before(tp, offset, request, look_back):
                     return
                 completion = backend.complete_now(request)
             if completion is None:
@@ -368,61 +346,6 @@ class Processor:
                 self.scheduler.call_ended(key, me)
             self.flow.slot_freed()
 
-    async def _answered_before(self, tp, offset: int, request: Request, why: bytes | None,
-                               surely: bool = False) -> bool:
-        """Whether another worker answered ``request`` (a copy dispatched again, or a record its
-        partition's previous owner took) already: if so, that answer is given again (exactly-once,
-        not for a copy the gateway redelivered), and remembered for later copies. ``surely``: a
-        read the broker could not answer is tried again (see earlier_answers.py)."""
-        topic, partition = self.responder.targets.of(request)
-        earlier = self.earlier
-        partition = earlier.place(topic, partition, request.tenant_id.encode())
-        if partition is None:
-            return False
-        find = functools.partial(earlier.find, topic, partition, request.request_id, request.admitted_at)
-        first = await asyncio.to_thread(find, surely) if surely else await asyncio.to_thread(find)
-        tries = 1
-        while first is UNREADABLE:
-            if tries >= _SURE_TRIES:
-                log.warning("request %s: its first answer, if any, could not be read back %d times; answering it "
-                            "as it is", request.request_id, tries)
-                return False
-            await asyncio.sleep(_SURE_RETRY_S)
-            first = await asyncio.to_thread(find, surely)
-            tries += 1
-        if first is None:
-            return False
-        value, key = first
-        log.info("request %s, dispatched again, was answered by another worker: that answer again",
-                 request.request_id)
-        self.recent.answered(request.request_id, (tp, offset), value, key)
-        self.responder.duplicate(tp, offset, request, first, again=not (self.exactly_once and why == REDELIVERED))
-        return True
-
-    def _settle(self, answer: functools.partial, why: bytes | None) -> None:
-        """Give ``answer`` (EXPIRED or CANCELLED: the responder's call with its message's place and
-        request) unless a first answer is found: in a task, like a backend call, whose offset stays
-        uncommitted until it ends (handed back, it is looked up again by the next owner). ``why``:
-        why the gateway dispatched the id again, None if it did not."""
-        tp, offset, request = answer.args[:3]
-        key = (tp, offset)
-        self.tasks[key] = asyncio.get_running_loop().create_task(self._settle_after_look(key, request, answer, why))
-
-    async def _settle_after_look(self, key, request: Request, answer, why) -> None:
-        tp, offset = key
-        try:
-            try:
-                found = await self._answered_before(tp, offset, request, why, surely=True)
-            except Exception:  # noqa: BLE001 (a bug in the read-back must not leave the record unanswered)
-                log.exception("reading back the first answer to %s failed; answering it as it is", request.request_id)
-                found = False
-            if not found:
-                answer()
-        finally:
-            if self.tasks.get(key) is asyncio.current_task():
-                del self.tasks[key]
-            self.flow.slot_freed()
-
     def cancel(self, request_id: str) -> None:
         """The client cancelled ``request_id``: if its call is running, stop it and answer CANCELLED."""
         key = self._task_of.get(request_id)
@@ -458,8 +381,7 @@ class Processor:
 
     def hand_back(self, partitions: set) -> None:
         """Cancel the calls of ``partitions`` without an answer: their offsets stay uncommitted."""
-        for tp in partitions:
-            self.assigned_at.pop(tp, None)
+        self.read_back.forget(partitions)
         for key, task in list(self.tasks.items()):
             if key[0] in partitions:
                 task.cancel()

@@ -13,7 +13,7 @@ import asyncio
 from pipeline.cancellations import CancellationView
 from pipeline.models import Request, Status, now_ms
 from pipeline.testing import FakeMessage
-from pipeline.worker import processor as processor_module
+from pipeline.worker import read_back as read_back_module
 from pipeline.worker.earlier_answers import CLOCK_SKEW_MS, UNREADABLE, may_be_answered
 from tests.unit.worker.test_earlier_answers import AGAIN, REDELIVERY, answered_elsewhere, dispatched, sent
 from tests.unit.worker.test_earlier_answers import Reader as AnyReader
@@ -75,7 +75,7 @@ def test_an_inherited_record_past_its_deadline_gets_its_first_answer_again_not_e
         reader = Reader(first)
         worker = worker_with(reader, max_inflight=4)
         tp = (worker.settings.topics.request_topic(request.priority), 0)
-        worker.processor.assigned([tp])
+        worker.processor.read_back.assigned([tp])
         _put(worker, request, 7, written_ms=now_ms() - 30_000)
         worker.dispatch()
         await _until(lambda: sent(worker))
@@ -92,7 +92,7 @@ def test_an_inherited_record_past_its_deadline_with_no_first_answer_is_expired()
         request = _expired("taken by nobody before")
         worker = worker_with(Reader(None), max_inflight=4)
         tp = (worker.settings.topics.request_topic(request.priority), 0)
-        worker.processor.assigned([tp])
+        worker.processor.read_back.assigned([tp])
         _put(worker, request, 0, written_ms=now_ms() - 30_000)
         worker.dispatch()
         await _until(lambda: sent(worker))
@@ -107,8 +107,8 @@ def test_a_record_written_after_its_partition_came_here_expires_without_a_read_b
     reader = Reader(None)
     worker = worker_with(reader, max_inflight=4)
     tp = (worker.settings.topics.request_topic(request.priority), 0)
-    worker.processor.assigned([tp])
-    worker.processor.assigned_at[tp] -= 10 * CLOCK_SKEW_MS
+    worker.processor.read_back.assigned([tp])
+    worker.processor.read_back.assigned_at[tp] -= 10 * CLOCK_SKEW_MS
     _put(worker, request, 0, written_ms=now_ms())
     worker.dispatch()  # no event loop needed: nothing runs as a task
     assert _statuses(worker) == ["EXPIRED"] and reader.asked == []
@@ -131,7 +131,7 @@ def test_a_copy_dispatched_again_and_cancelled_gets_its_first_answer_again_not_c
 
 
 def test_a_read_back_the_broker_cannot_answer_is_asked_again_before_answering(monkeypatch):
-    monkeypatch.setattr(processor_module, "_SURE_RETRY_S", 0.0)
+    monkeypatch.setattr(read_back_module, "SURE_RETRY_S", 0.0)
 
     async def run():
         request = _expired("the broker unreadable at first")
@@ -154,7 +154,7 @@ def test_a_read_back_the_broker_cannot_answer_is_asked_again_before_answering(mo
 
 
 def test_a_read_back_that_never_gets_an_answer_ends_in_the_status_the_record_has(monkeypatch):
-    monkeypatch.setattr(processor_module, "_SURE_RETRY_S", 0.0)
+    monkeypatch.setattr(read_back_module, "SURE_RETRY_S", 0.0)
 
     async def run():
         request = _expired("the broker never readable")
@@ -194,12 +194,12 @@ def test_a_sure_read_back_skips_the_cool_down_and_says_when_it_could_not_read():
 def test_a_handed_back_partition_forgets_when_it_was_assigned():
     worker = worker_with(Reader(None))
     tp = ("llm.dispatch.normal", 0)
-    worker.processor.assigned([tp])
+    worker.processor.read_back.assigned([tp])
     worker.processor.hand_back({tp})
-    assert tp not in worker.processor.assigned_at
+    assert tp not in worker.processor.read_back.assigned_at
     eo = worker_with(Reader(None), delivery="exactly-once")
-    eo.processor.assigned([tp])
-    assert eo.processor.assigned_at == {}
+    eo.processor.read_back.assigned([tp])
+    assert eo.processor.read_back.assigned_at == {}
 
 
 def test_a_read_back_that_fails_unexpectedly_still_answers_the_record():
