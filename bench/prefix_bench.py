@@ -65,7 +65,8 @@ TARGET = {"hit_ratio_over_oracle": 0.9, "later_ttft_p50_ratio": 0.5, "throughput
           "requests_max_over_mean": 1.25, "one_off_ttft_p99_ratio": 1.05, "two_workers_hit_over_oracle": 0.85,
           "decision_us": 50.0}
 #: The servers' KV cache, tokens (default: max_num_seqs x max_model_len, as the simulator's).
-_KV = ("--kv-cache-tokens", os.environ["LLMQ_PREFIX_BENCH_KV_TOKENS"]) if os.environ.get("LLMQ_PREFIX_BENCH_KV_TOKENS") else ()
+_KV_TOKENS = os.environ.get("LLMQ_PREFIX_BENCH_KV_TOKENS", "")
+_KV = ("--kv-cache-tokens", _KV_TOKENS) if _KV_TOKENS else ()
 _WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",
           "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango")
 
@@ -341,8 +342,9 @@ def prefix_routing(settings: Settings, args) -> dict:
     out["targets"] = TARGET
     out["conditions"] = (f"{SERVERS} simulator processes, {SLOTS} slots each, {TTFT_MS} ms per joiner + "
                          f"{PREFILL_MS_PER_TOKEN} ms per uncached prompt token, {MS_PER_TOKEN} ms/token, "
-                         f"{TOKENS}-token answers; {USERS} closed-loop users ({SATURATING_USERS} for saturation), conversations of "
-                         f"{TURNS} turns over {SYSTEMS} shared system prompts (a first turn of {FIRST_TURN_WORDS} words, "
+                         f"{TOKENS}-token answers; {USERS} closed-loop users ({SATURATING_USERS} for saturation), "
+                         f"conversations of {TURNS} turns over {SYSTEMS} shared system prompts (a first turn of "
+                         f"{FIRST_TURN_WORDS} words, "
                          f"follow-ups of {LATER_TURN_WORDS}, thinking {THINK_S:g} s on average between turns), "
                          f"{ONE_OFF_SHARE:.0%} one-off prompts; "
                          f"streamed through llmq workers on the request topics; {WARM_S:.0f} s warm-up, "

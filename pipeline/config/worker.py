@@ -280,7 +280,8 @@ class WorkerSettings:
             raise ConfigError("worker.backend_affinity_block_chars",
                               f"must be at least 16, got {self.backend_affinity_block_chars}")
         if self.backend_affinity_wait_ms < 0:
-            raise ConfigError("worker.backend_affinity_wait_ms", f"must not be negative, got {self.backend_affinity_wait_ms}")
+            raise ConfigError("worker.backend_affinity_wait_ms",
+                              f"must not be negative, got {self.backend_affinity_wait_ms}")
         if self.backend_metrics_stale_ms <= self.backend_metrics_interval_ms:
             raise ConfigError("worker.backend_metrics_stale_ms",
                               f"must be more than backend_metrics_interval_ms ({self.backend_metrics_interval_ms}), "

@@ -323,7 +323,8 @@ class WorkerMetrics:
         self.health_recoveries, self.health_stalls = health_series()
         routing = routing_series()
         self.backend_routes, self.backend_deferrals = routing.routes, routing.deferred
-        self.backend_prompt_tokens, self.backend_cached_prompt_tokens = routing.prompt_tokens, routing.cached_prompt_tokens
+        self.backend_prompt_tokens = routing.prompt_tokens
+        self.backend_cached_prompt_tokens = routing.cached_prompt_tokens
         self.backend_cached_tokens, self.backend_hit_ratio = routing.cached_tokens, routing.server_hit_ratio
         self.backend_kv_contradictions, self.backend_index_corrections = (routing.kv_contradictions,
                                                                           routing.index_corrections)

@@ -14,7 +14,8 @@ its own anchors, each to its next-ranked server.
 
 **An index of what each server was sent** (this worker's own memory, as llm-d's approximate
 scorer keeps one): the prompt is cut into blocks (``block_chars`` characters at its start,
-longer further in: :func:`block_ends`) whose CRC-32s chain (a block matches only after the same whole prefix), and each server keeps an LRU of the
+longer further in: :func:`block_ends`) whose CRC-32s chain (a block matches only after the
+same whole prefix), and each server keeps an LRU of the
 blocks routed to it, at most ``index_blocks``, entries older than ``ttl_s`` ignored. A
 request's *match* on a server is the longest run of its blocks, from the start, found there;
 it steers the choice only where it goes past the blocks many requests share (a conversation's

@@ -11,8 +11,9 @@ narrow the catch-all route: a model no catch-all server lists is refused, like o
 route, as long as every catch-all server's list is known. A request that names no model runs
 on :meth:`RoutingTable.default_model`.
 
-Spreading: of a model's servers, the one with a free pacing slot and the fewest calls in
-flight, ties going round-robin. Failover: a server that failed a call is skipped by that
+Spreading: the OpenAI backend chooses among a model's servers by prefix cache within a load
+bound (:mod:`cache_routing`, :mod:`affinity`); :meth:`RoutingTable.pick` is the plain choice (a
+free pacing slot and the fewest calls in flight, ties going round-robin). Failover: a server that failed a call is skipped by that
 call's retries while the model has another one; a server that could not be reached is
 avoided by every call for a cool-down that doubles while it keeps failing (and is still
 tried when it is the only one left, since the cool-down is a guess).
