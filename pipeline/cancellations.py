@@ -105,6 +105,34 @@ class CancellationView:
             new.append(request_id)
         return new
 
+    def catch_up(self, timeout_s: float = 10.0) -> bool:
+        """Read what the topic holds now, before anything is decided on it. A worker that took a
+        request before its view had read that request's cancellation would run it, and its
+        partition's previous owner may have answered it CANCELLED already (a second, different
+        status). True once read to the end seen at the call; False if the topic is missing or not
+        read within ``timeout_s`` (:meth:`poll` reads on)."""
+        if self._consumer is None or not self._assigned:
+            return False
+        deadline = time.monotonic() + timeout_s
+        consumer = self._consumer
+        try:
+            assignment = consumer.assignment()
+            ends = {tp.partition: consumer.get_watermark_offsets(tp, timeout=timeout_s)[1] for tp in assignment}
+            while True:
+                at = {tp.partition: tp.offset for tp in consumer.position(assignment)}
+                if all(end == 0 or at.get(p, -1) >= end for p, end in ends.items()):
+                    return True
+                if time.monotonic() >= deadline:
+                    break
+                if not self.poll():
+                    time.sleep(0.01)
+        except KafkaException as exc:
+            log.warning("could not read the %s topic to its end (%s); reading on as it comes", self.topic, exc)
+            return False
+        log.warning("the %s topic was not read to its end within %.0f s; reading on as it comes", self.topic,
+                    timeout_s)
+        return False
+
     def reason(self, request_id: str) -> str | None:
         return self._ids.get(request_id)
 

@@ -176,11 +176,16 @@ class Worker:
         self.checkpoint.configure(producer_conf, consumer_conf, f"llmq-worker-{self.group_id}-{self.worker_id}")
         session.producer = Producer(self.settings.kafka.producer_config(**producer_conf, **self._producer_overrides))
         self.checkpoint.start(session.producer)
+        session.cancellations = CancellationView(self.settings)
+        # Every cancellation written so far is known before a request is taken: the previous
+        # owner of a partition may have answered one of its requests CANCELLED, and running it
+        # here would give it a second status. Before subscribing, so that a slow read cannot
+        # count against max.poll.interval.ms.
+        session.cancellations.catch_up()
         session.consumer = Consumer(self.settings.kafka.consumer_config(
             self.group_id, **consumer_conf, **self._consumer_overrides))
         session.consumer.subscribe(self.topics, on_assign=self.on_assign, on_revoke=self.on_revoke,
                                    on_lost=self.on_lost)
-        session.cancellations = CancellationView(self.settings)
         log.info("worker %s consuming %s as group %s (backend %s, max in flight %d)",
                  self.worker_id, ", ".join(self.topics), self.group_id, self.backend.name, cfg.max_inflight)
         up = self.metrics.up.labels(self.metrics.pool)
