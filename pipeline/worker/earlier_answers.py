@@ -20,7 +20,9 @@ came meanwhile: serve withdraws a request whose write timed out) would give the 
 answered (:func:`may_be_answered`: a copy dispatched again, or a record written before its
 partition was assigned here), it reads the first answer back, and gives it again if there is
 one. Such reads must say yes or no: they skip the cool-down below and are tried again while the
-broker cannot answer. They cost nothing in steady state: only records expiring or cancelled
+broker cannot answer; and since a rebalance can leave many such records expiring at once, the
+ones waiting for the same partition are read back together, in one pass
+(:meth:`EarlierAnswers.find_many`). They cost nothing in steady state: only records expiring or cancelled
 soon after a rebalance (or copies dispatched again) are looked up.
 
 One consumer, assigned per lookup, never in a group; lookups run one at a time off the event
@@ -30,6 +32,7 @@ loop (they are rare: a copy reaching a worker that did not take the first).
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Callable, Iterable
@@ -51,8 +54,8 @@ LOOKUP_TIMEOUT_S = 10.0
 #: After a lookup the broker could not answer (a leader down), how long copies run as new without
 #: one: lookups go one at a time, and each would wait out its timeout again.
 COOL_DOWN_S = 10.0
-#: What :meth:`EarlierAnswers.find` returns, asked for a sure answer, when the broker could not
-#: be read: neither found nor known to be absent.
+#: What :meth:`EarlierAnswers.find_many` returns when the broker could not be read: neither found
+#: nor known to be absent.
 UNREADABLE = "unreadable"
 #: A timestamp type that says the record has none (confluent_kafka.TIMESTAMP_NOT_AVAILABLE).
 _NO_TIMESTAMP = 0
@@ -94,17 +97,32 @@ def first_terminal(records: Iterable, request_id: str, decode: Callable) -> tupl
     """The first terminal answer to ``request_id`` among ``records`` (``(value, key)`` pairs, in
     offset order) as its ``(value, key)``; progress events and other ids are passed over. Only a
     value that contains the id's bytes is decoded."""
-    needle = request_id.encode()
+    found: dict = {}
+    first_terminals(records, {request_id}, decode, found)
+    return found.get(request_id)
+
+
+def first_terminals(records: Iterable, ids: set[str], decode: Callable, found: dict) -> None:
+    """:func:`first_terminal` for each of ``ids`` at once: ``found`` gets the first terminal answer
+    of each id among ``records`` it does not hold yet (an id answered in an earlier batch of
+    records keeps that answer). One search over each value for all the ids' bytes."""
+    wanted = ids - found.keys()
+    if not wanted:
+        return
+    needles = re.compile(b"|".join(re.escape(i.encode()) for i in sorted(wanted)))
     for value, key in records:
-        if not value or needle not in value:
+        if not value or needles.search(value) is None:
             continue
         try:
             response = decode(value)
         except DecodeError:
             continue
-        if response.request_id == request_id and response.status.is_terminal:
-            return value, key
-    return None
+        rid = response.request_id
+        if rid in wanted and response.status.is_terminal:
+            found[rid] = (value, key)
+            wanted.discard(rid)
+            if not wanted:
+                return
 
 
 class EarlierAnswers:
@@ -134,25 +152,19 @@ class EarlierAnswers:
         count = self.partitions(topic)
         return tenant_partition(key, count) if count else None
 
-    def find(self, topic: str, partition: int, request_id: str, since_ms: int,
-             surely: bool = False) -> tuple[bytes, bytes] | None | str:
+    def find(self, topic: str, partition: int, request_id: str, since_ms: int) -> tuple[bytes, bytes] | None:
         """The first terminal answer to ``request_id`` in ``topic``[``partition``] at or after
         ``since_ms`` (less the clock skew), or None. Blocking: run it off the event loop. A Kafka
-        error is a miss: the copy then runs as new, as it would have. ``surely``: the answer
-        decides a status (EXPIRED, CANCELLED) that must not differ from a first one, so the
-        cool-down does not apply and a Kafka error returns :data:`UNREADABLE` (ask again later)."""
+        error is a miss: the copy then runs as new, as it would have."""
         with self._lock:
-            if not surely and time.monotonic() - self._failed_at < COOL_DOWN_S:
+            if time.monotonic() - self._failed_at < COOL_DOWN_S:
                 answer = None  # the broker could not answer the last one: no waiting it out again
             else:
                 try:
-                    answer = self._scan(topic, partition, request_id, max(0, since_ms - CLOCK_SKEW_MS))
+                    answer = self._scan(topic, partition, {request_id},
+                                        max(0, since_ms - CLOCK_SKEW_MS)).get(request_id)
                 except KafkaException as exc:
                     self._failed_at = time.monotonic()
-                    if surely:
-                        log.warning("could not read back %s[%d] for the first answer to %s (%s); asking again "
-                                    "before answering it", topic, partition, request_id, exc.args[0])
-                        return UNREADABLE
                     log.warning("could not read back %s[%d] for the first answer to a copy (%s); running it, "
                                 "and the copies of the next %.0f s without looking", topic, partition,
                                 exc.args[0], COOL_DOWN_S)
@@ -163,12 +175,31 @@ class EarlierAnswers:
             self.found += 1
         return answer
 
-    def _scan(self, topic: str, partition: int, request_id: str, since_ms: int) -> tuple[bytes, bytes] | None:
+    def find_many(self, topic: str, partition: int, wanted: dict[str, int]) -> dict | str:
+        """The first terminal answers in ``topic``[``partition``] to the ids of ``wanted`` (id →
+        its first admission, ms), read in one pass from the earliest admission: id → its
+        ``(value, key)``, for the ids found. Its answer decides a status, so: no cool-down, and
+        :data:`UNREADABLE` when the broker could not be read. Blocking: off the event loop."""
+        with self._lock:
+            try:
+                found = self._scan(topic, partition, set(wanted), max(0, min(wanted.values()) - CLOCK_SKEW_MS))
+            except KafkaException as exc:
+                self._failed_at = time.monotonic()
+                log.warning("could not read back %s[%d] for the first answers to %d records (%s); asking again "
+                            "before answering them", topic, partition, len(wanted), exc.args[0])
+                return UNREADABLE
+        self.found += len(found)
+        self.missed += len(wanted) - len(found)
+        return found
+
+    def _scan(self, topic: str, partition: int, ids: set[str], since_ms: int) -> dict:
+        """id → the first terminal answer to it, for the ``ids`` found (all of them stop the read)."""
+        found: dict = {}
         consumer = self._client()
         deadline = time.monotonic() + LOOKUP_TIMEOUT_S
         start = consumer.offsets_for_times([TopicPartition(topic, partition, since_ms)], LOOKUP_TIMEOUT_S)[0]
         if start.error is not None or start.offset < 0:
-            return None  # nothing written since the first admission
+            return found  # nothing written since the first admission
         _, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), LOOKUP_TIMEOUT_S)
         consumer.assign([TopicPartition(topic, partition, start.offset)])
         try:
@@ -184,12 +215,12 @@ class EarlierAnswers:
                     records.append((msg.value(), msg.key()))
                     end = end or msg.offset() >= high - 1
                 read += len(records)
-                answer = first_terminal(records, request_id, self.decode)
-                if answer is not None or end:
-                    return answer
-            log.warning("gave up reading back %s[%d] for the first answer to %s after %d records; running it",
-                        topic, partition, request_id, read)
-            return None
+                first_terminals(records, ids, self.decode, found)
+                if len(found) == len(ids) or end:
+                    return found
+            log.warning("gave up reading back %s[%d] for the first answers to %d records after reading %d; "
+                        "taking them as not answered", topic, partition, len(ids), read)
+            return found
         finally:
             consumer.unassign()
 

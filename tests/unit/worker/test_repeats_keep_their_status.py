@@ -14,7 +14,7 @@ from pipeline.cancellations import CancellationView
 from pipeline.models import Request, Status, now_ms
 from pipeline.testing import FakeMessage
 from pipeline.worker import read_back as read_back_module
-from pipeline.worker.earlier_answers import CLOCK_SKEW_MS, UNREADABLE, may_be_answered
+from pipeline.worker.earlier_answers import CLOCK_SKEW_MS, UNREADABLE, first_terminals, may_be_answered
 from tests.unit.worker.test_earlier_answers import AGAIN, REDELIVERY, answered_elsewhere, dispatched, sent
 from tests.unit.worker.test_earlier_answers import Reader as AnyReader
 from tests.unit.worker.test_earlier_answers import worker_with
@@ -24,10 +24,16 @@ CREATE_TIME = 1
 
 
 class Reader(AnyReader):
-    """The stub reader, asked for sure answers too."""
+    """The stub reader, asked for the first answers to many ids at once too: each found (its
+    answer, for any id; None: none found)."""
 
-    def find(self, topic, partition, request_id, since_ms, surely=False):
-        return super().find(topic, partition, request_id, since_ms)
+    def __init__(self, answer):
+        super().__init__(answer)
+        self.asked_many: list = []
+
+    def find_many(self, topic, partition, wanted):
+        self.asked_many.append((topic, partition, dict(wanted)))
+        return {} if self.answer is None else dict.fromkeys(wanted, self.answer)
 
 
 def test_a_record_may_be_answered_when_dispatched_again_or_written_before_its_partition_came_here():
@@ -80,7 +86,7 @@ def test_an_inherited_record_past_its_deadline_gets_its_first_answer_again_not_e
         worker.dispatch()
         await _until(lambda: sent(worker))
         assert sent(worker) == [first[0]] and worker.stats.expired == 0
-        assert worker.backend.calls == [] and len(reader.asked) == 1
+        assert worker.backend.calls == [] and len(reader.asked_many) == 1 and reader.asked == []
         await _until(lambda: not worker.processor.tasks)
         assert dict(worker.checkpoint.tracker.to_commit()).get(tp) == 8  # committable once answered
 
@@ -111,7 +117,7 @@ def test_a_record_written_after_its_partition_came_here_expires_without_a_read_b
     worker.processor.read_back.assigned_at[tp] -= 10 * CLOCK_SKEW_MS
     _put(worker, request, 0, written_ms=now_ms())
     worker.dispatch()  # no event loop needed: nothing runs as a task
-    assert _statuses(worker) == ["EXPIRED"] and reader.asked == []
+    assert _statuses(worker) == ["EXPIRED"] and reader.asked == [] and reader.asked_many == []
 
 
 def test_a_copy_dispatched_again_and_cancelled_gets_its_first_answer_again_not_cancelled():
@@ -136,19 +142,19 @@ def test_a_read_back_the_broker_cannot_answer_is_asked_again_before_answering(mo
     async def run():
         request = _expired("the broker unreadable at first")
         first = answered_elsewhere(request)
-        answers = [UNREADABLE, UNREADABLE, first]
+        answers = [UNREADABLE, UNREADABLE, {request.request_id: first}]
         asked = []
 
         class Flaky(Reader):
-            def find(self, topic, partition, request_id, since_ms, surely=False):
-                asked.append(surely)
+            def find_many(self, topic, partition, wanted):
+                asked.append(set(wanted))
                 return answers.pop(0)
 
         worker = worker_with(Flaky(None), max_inflight=4)
         _put(worker, request, 0, written_ms=now_ms(), headers=AGAIN)
         worker.dispatch()
         await _until(lambda: sent(worker))
-        assert sent(worker) == [first[0]] and asked == [True, True, True]
+        assert sent(worker) == [first[0]] and asked == [{request.request_id}] * 3
 
     asyncio.run(run())
 
@@ -160,7 +166,7 @@ def test_a_read_back_that_never_gets_an_answer_ends_in_the_status_the_record_has
         request = _expired("the broker never readable")
 
         class Unreadable(Reader):
-            def find(self, *args, **kwargs):
+            def find_many(self, *args, **kwargs):
                 return UNREADABLE
 
         worker = worker_with(Unreadable(None), max_inflight=4)
@@ -187,8 +193,9 @@ def test_a_sure_read_back_skips_the_cool_down_and_says_when_it_could_not_read():
 
     reader._scan = scan
     assert reader.find("llm.responses", 0, "id-1", 0) is None  # starts the cool-down
-    assert reader.find("llm.responses", 0, "id-2", 0, surely=True) is UNREADABLE
+    assert reader.find_many("llm.responses", 0, {"id-2": 50_000, "id-3": 20_000}) is UNREADABLE
     assert len(scans) == 2
+    assert scans[1] == ("llm.responses", 0, {"id-2", "id-3"}, 20_000 - CLOCK_SKEW_MS)  # from the earliest
 
 
 def test_a_handed_back_partition_forgets_when_it_was_assigned():
@@ -207,7 +214,7 @@ def test_a_read_back_that_fails_unexpectedly_still_answers_the_record():
         request = _expired("the reader has a bug")
 
         class Broken(Reader):
-            def find(self, *args, **kwargs):
+            def find_many(self, *args, **kwargs):
                 raise RuntimeError("a bug")
 
         worker = worker_with(Broken(None), max_inflight=4)
@@ -217,3 +224,43 @@ def test_a_read_back_that_fails_unexpectedly_still_answers_the_record():
         assert _statuses(worker) == [Status.EXPIRED.value]
 
     asyncio.run(run())
+
+
+def test_records_expiring_together_after_a_rebalance_are_read_back_in_one_pass():
+    async def run():
+        requests = [_expired(f"inherited {i}") for i in range(20)]
+        reader = Reader(None)
+        worker = worker_with(reader, max_inflight=32)
+        tp = (worker.settings.topics.request_topic(requests[0].priority), 0)
+        worker.processor.read_back.assigned([tp])
+        for i, request in enumerate(requests):
+            _put(worker, request, i, written_ms=now_ms() - 30_000)
+        worker.dispatch()
+        await _until(lambda: len(sent(worker)) == len(requests))
+        assert _statuses(worker) == ["EXPIRED"] * len(requests)
+        # One reply partition (the tenant's), one pass for all (a second for any arriving meanwhile).
+        assert 1 <= len(reader.asked_many) <= 2
+        assert set().union(*(w for _, _, w in reader.asked_many)) == {r.request_id for r in requests}
+        await _until(lambda: not worker.processor.tasks and not worker.processor.read_back._readers)
+
+    asyncio.run(run())
+
+
+def test_one_pass_finds_the_first_terminal_answer_of_each_id_wanted():
+    from pipeline.models import Response
+
+    a, b, other = (dispatched(Request.new("tenant-a", p)) for p in ("a", "b", "someone else"))
+    key = b"tenant-a"
+
+    def enc(req, status, output=None):
+        return CODEC.encode_response(Response.for_request(req, status, output=output)), key
+
+    records = [enc(a, Status.QUEUED), enc(other, Status.COMPLETED, "x"), enc(a, Status.COMPLETED, "first a"),
+               (b"garbage " + b.request_id.encode(), key), enc(a, Status.EXPIRED)]
+    found: dict = {}
+    first_terminals(records, {a.request_id, b.request_id}, CODEC.decode_response, found)
+    assert found == {a.request_id: enc(a, Status.COMPLETED, "first a")}
+    # A later batch of records: b found there, a keeps its first answer.
+    first_terminals([enc(a, Status.COMPLETED, "a again"), enc(b, Status.CANCELLED)],
+                    {a.request_id, b.request_id}, CODEC.decode_response, found)
+    assert found == {a.request_id: enc(a, Status.COMPLETED, "first a"), b.request_id: enc(b, Status.CANCELLED)}
