@@ -264,3 +264,12 @@ def test_one_pass_finds_the_first_terminal_answer_of_each_id_wanted():
     first_terminals([enc(a, Status.COMPLETED, "a again"), enc(b, Status.CANCELLED)],
                     {a.request_id, b.request_id}, CODEC.decode_response, found)
     assert found == {a.request_id: enc(a, Status.COMPLETED, "first a"), b.request_id: enc(b, Status.CANCELLED)}
+
+
+def test_a_worker_driven_without_an_event_loop_answers_at_once():
+    # Tools and benchmarks call Worker.handle outside any loop: nothing to run a read-back on.
+    request = _expired("handled by a tool")
+    worker = worker_with(Reader(None))
+    tp = (worker.settings.topics.request_topic(request.priority), 0)
+    worker.handle(FakeMessage(tp[0], 0, 0, CODEC.encode_request(request), b"tenant-a", AGAIN))
+    assert _statuses(worker) == ["EXPIRED"]
