@@ -255,15 +255,16 @@ def test_one_pass_finds_the_first_terminal_answer_of_each_id_wanted():
     def enc(req, status, output=None):
         return CODEC.encode_response(Response.for_request(req, status, output=output)), key
 
-    records = [enc(a, Status.QUEUED), enc(other, Status.COMPLETED, "x"), enc(a, Status.COMPLETED, "first a"),
+    first_a, b_cancelled = enc(a, Status.COMPLETED, "first a"), enc(b, Status.CANCELLED)
+    records = [enc(a, Status.QUEUED), enc(other, Status.COMPLETED, "x"), first_a,
                (b"garbage " + b.request_id.encode(), key), enc(a, Status.EXPIRED)]
     found: dict = {}
     first_terminals(records, {a.request_id, b.request_id}, CODEC.decode_response, found)
-    assert found == {a.request_id: enc(a, Status.COMPLETED, "first a")}
+    assert found == {a.request_id: first_a}
     # A later batch of records: b found there, a keeps its first answer.
-    first_terminals([enc(a, Status.COMPLETED, "a again"), enc(b, Status.CANCELLED)],
-                    {a.request_id, b.request_id}, CODEC.decode_response, found)
-    assert found == {a.request_id: enc(a, Status.COMPLETED, "first a"), b.request_id: enc(b, Status.CANCELLED)}
+    first_terminals([enc(a, Status.COMPLETED, "a again"), b_cancelled], {a.request_id, b.request_id},
+                    CODEC.decode_response, found)
+    assert found == {a.request_id: first_a, b.request_id: b_cancelled}
 
 
 def test_a_worker_driven_without_an_event_loop_answers_at_once():
