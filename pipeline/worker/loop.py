@@ -224,8 +224,8 @@ class Worker:
                 log.warning("this worker stood still for %.1f s, longer than session.timeout.ms; holding new work "
                             "for %.0f s until the group says which partitions are still ours",
                             now - last_turn, _FROZEN_HOLD_S)
-                hold_until = now + _FROZEN_HOLD_S
-            last_turn = self.turned_at = now
+                hold_until = session.held_until = now + _FROZEN_HOLD_S
+            last_turn = self.turned_at = session.turned_at = now
             stalled = self.coordinator.stalled_for()
             if stalled is not None:
                 log.error("the group coordinator has not been reachable for %.0f s (%s) although the consumer "

@@ -25,6 +25,7 @@ from pipeline.worker.dedupe import IN_FLIGHT
 from pipeline.worker.earlier_answers import dispatched_again, redelivered
 from pipeline.worker.read_back import ReadBack
 from pipeline.worker.records import Answered, Taken
+from pipeline.worker.state import out_of_doubt
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class Processor:
         self.backend = backend  # see the setter: what the backend can do
         self.codec = ctx.codec
         self.session = ctx.session
+        self._session_s = ctx.cfg.session_timeout_ms / 1000.0
         self.responder = ctx.responder
         self.scheduler = ctx.scheduler
         self.flow = ctx.flow
@@ -313,6 +315,10 @@ class Processor:
                 else:
                     completion = await (backend.complete(request) if slot is None
                                         else backend.complete(request, slot))
+            if self.session.in_doubt(time.monotonic(), self._session_s):
+                # Finished across a freeze past the group session: answered only once the group
+                # has said the partition is still ours (lost, this task is handed back first).
+                await out_of_doubt(self.session, self._session_s)
         except asyncio.CancelledError:
             me = asyncio.current_task()
             if me in self._preempted:  # back in its queue (preempted): no answer now

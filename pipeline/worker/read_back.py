@@ -19,6 +19,7 @@ import logging
 from pipeline.models import REDELIVERED, Request, now_ms
 from pipeline.worker.context import WorkerContext
 from pipeline.worker.earlier_answers import UNREADABLE, may_be_answered
+from pipeline.worker.state import out_of_doubt
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,8 @@ class ReadBack:
                 log.exception("reading back the first answer to %s failed; answering it as it is", request.request_id)
                 found = False
             if not found:
+                session = self.ctx.session
+                await out_of_doubt(session, self.ctx.cfg.session_timeout_ms / 1000.0)  # see Processor._call
                 answer()
         finally:
             if self.tasks.get(key) is asyncio.current_task():

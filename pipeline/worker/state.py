@@ -7,6 +7,8 @@ keeps its own reference to a client: each looks it up in :class:`Session` at eve
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
 
 from pipeline.errors import KafkaOperationError
@@ -36,7 +38,8 @@ class WorkerStats:
 class Session:
     """The clients of the session running now, and whether it must end early."""
 
-    __slots__ = ("consumer", "producer", "chunk_producer", "cancellations", "fatal", "restart")
+    __slots__ = ("consumer", "producer", "chunk_producer", "cancellations", "fatal", "restart", "turned_at",
+                 "held_until")
 
     def __init__(self) -> None:
         self.consumer = None
@@ -49,6 +52,17 @@ class Session:
         #: Start over from the committed offsets with fresh clients: the consumer does not rewind
         #: by itself after an aborted transaction.
         self.restart = False
+        #: When the consume loop last turned (time.monotonic(); 0: not yet), and until when it
+        #: holds new work after standing still past the group session (see loop.py).
+        self.turned_at = 0.0
+        self.held_until = 0.0
+
+    def in_doubt(self, now: float, session_s: float) -> bool:
+        """Whether the group may have given this worker's partitions away without its knowing
+        yet: its loop has stood still past the session (a freeze it has not noticed), or holds
+        work since it noticed one. An answer finished meanwhile could follow the next owner's
+        answer to the same record, and differ from it."""
+        return now < self.held_until or (self.turned_at > 0 and now - self.turned_at > session_s)
 
     def fail(self, error: KafkaOperationError) -> None:
         if self.fatal is None:
@@ -57,3 +71,14 @@ class Session:
     @property
     def over(self) -> bool:
         return self.fatal is not None or self.restart
+
+
+#: How often an answer waiting out a doubt (Session.in_doubt) looks again.
+_DOUBT_POLL_S = 0.05
+
+
+async def out_of_doubt(session: Session, session_s: float) -> None:
+    """Return once ``session`` is not in doubt; an answer whose partition was lost meanwhile is
+    handed back (its task cancelled) before then, and never goes out."""
+    while session.in_doubt(time.monotonic(), session_s):
+        await asyncio.sleep(_DOUBT_POLL_S)

@@ -7,7 +7,9 @@ On the real broker, in two ways a record reaches a worker that never saw its fir
   partition's next owner takes the record again after its deadline has passed, or after a
   cancellation for it was published (serve withdraws a request whose write timed out);
 * a gateway dispatched a copy again (``llmq-dispatched-again``) that arrives past the deadline
-  or after a cancellation, at a worker that did not take the first copy.
+  or after a cancellation, at a worker that did not take the first copy;
+* a worker frozen (SIGSTOP) past its session with a call in flight, whose partition's next owner
+  answers the record EXPIRED meanwhile: resumed, the frozen worker must not publish its COMPLETED.
 
 In each, the record must get its first answer again (at-least-once, byte for byte; exactly-once,
 a redelivered copy nothing at all), and a record with no first answer anywhere is still answered
@@ -17,6 +19,7 @@ EXPIRED.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -57,13 +60,14 @@ def _of(msgs, request_id: str) -> list[bytes]:
     return out
 
 
-def _worker_process(settings, name: str, tmp_path) -> LlmqProcess:
+def _worker_process(settings, name: str, tmp_path, latency_ms: int = 0) -> LlmqProcess:
     env = {**os.environ, **settings.topology_env(), "LLMQ_WORKER__SOURCE": "dispatch",
            # Never commits on its own before the kill: what it answered stays past the committed offset.
            "LLMQ_WORKER__COMMIT_INTERVAL_MS": "3600000", "LLMQ_WORKER__METRICS_PORT": "0",
            "LLMQ_WORKER__SESSION_TIMEOUT_MS": "6000"}
     return LlmqProcess(name, [sys.executable, "-m", "pipeline.cli", "--log-level", "INFO", "worker",
-                              "--worker-id", name, "--sim-latency-ms", "0"], env, tmp_path, ready="assigned")
+                              "--worker-id", name, "--sim-latency-ms", str(latency_ms)], env, tmp_path,
+                       ready="assigned")
 
 
 @pytest.mark.parametrize("then", ["deadline passed", "cancelled"])
@@ -134,3 +138,31 @@ def test_a_copy_dispatched_again_keeps_the_status_of_its_first_answer(settings, 
     else:  # a redelivered copy whose first answer is known is not answered again
         assert got == [first], f"{then}: answered {statuses}"
     assert worker.stats.completed == 0  # the model ran for neither
+
+
+def test_a_worker_frozen_with_a_call_in_flight_does_not_answer_after_the_next_owner(settings, tmp_path):
+    s = settings
+    zombie = _worker_process(s, "w-zombie", tmp_path, latency_ms=4_000)
+    next_owner = _worker_process(s, "w-next", tmp_path)
+    zombie.start()
+    try:
+        zombie.wait_ready(60)
+        time.sleep(3)  # every partition assigned to it
+        req = _dispatched("tenant-z", "in flight when its worker froze", timeout_ms=7_000)
+        producer = Producer(s.kafka.producer_config())
+        producer.produce(s.topics.dispatch_topic(Priority.NORMAL), CODEC.encode_request(req), b"tenant-z")
+        assert producer.flush(30) == 0
+        time.sleep(1.5)  # taken: its 4-s model call runs
+        zombie.proc.send_signal(signal.SIGSTOP)  # past its 6-s session: the group gives its partitions away
+        next_owner.start()
+        [first] = _terminal(s, req.request_id, 1, timeout=60)
+        assert CODEC.decode_response(first).status is Status.EXPIRED  # the deadline passed meanwhile
+        zombie.proc.send_signal(signal.SIGCONT)
+        time.sleep(8)  # the zombie's call ends, its partitions are reported lost
+        answers = _of(read_topic(s.kafka.bootstrap, s.topics.responses, timeout=10), req.request_id)
+    finally:
+        zombie.proc.send_signal(signal.SIGCONT)
+        next_owner.stop()
+        zombie.stop()
+    got = [(CODEC.decode_response(v).status.value, CODEC.decode_response(v).worker_id) for v in answers]
+    assert got == [("EXPIRED", "w-next")], f"answers: {got}"

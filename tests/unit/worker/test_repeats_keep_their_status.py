@@ -274,3 +274,15 @@ def test_a_worker_driven_without_an_event_loop_answers_at_once():
     tp = (worker.settings.topics.request_topic(request.priority), 0)
     worker.handle(FakeMessage(tp[0], 0, 0, CODEC.encode_request(request), b"tenant-a", AGAIN))
     assert _statuses(worker) == ["EXPIRED"]
+
+
+def test_a_worker_is_in_doubt_while_its_loop_stood_still_past_the_session_or_holds_work():
+    from pipeline.worker.state import Session
+
+    session = Session()
+    assert not session.in_doubt(100.0, 6.0)  # the loop has not turned yet: nothing to doubt
+    session.turned_at = 100.0
+    assert not session.in_doubt(105.9, 6.0)
+    assert session.in_doubt(106.1, 6.0)  # frozen, not noticed yet
+    session.turned_at, session.held_until = 107.0, 111.0  # noticed: holding work
+    assert session.in_doubt(110.9, 6.0) and not session.in_doubt(111.1, 6.0)
