@@ -141,7 +141,14 @@ def committed_or_start(settings, group: str) -> Callable[[list[RequestPartition]
         if not tps:
             return {}
         if consumer is None:
-            consumer = Consumer(settings.kafka.consumer_config(group, **{"enable.auto.commit": False}))
+            # read_uncommitted: librdkafka then asks for the committed offsets without waiting for
+            # stable ones. Waiting, it blocked this assignment for its whole timeout after an
+            # exactly-once gateway was killed (its open transaction's offsets pending until a new
+            # producer fences it, which comes after the assignment): past the 3-s session, the
+            # member was dropped and rebalanced again and again, and requests were dispatched twice.
+            # Faust's own fetch at assignment reads the same unstable offsets (aiokafka: KIP-447).
+            consumer = Consumer(settings.kafka.consumer_config(group, **{"enable.auto.commit": False,
+                                                                         "isolation.level": "read_uncommitted"}))
         out: dict[RequestPartition, int] = {}
         missing = []
         for tp in consumer.committed([TopicPartition(t, p) for t, p in tps], timeout=10):
